@@ -1,0 +1,1 @@
+"""Sub-commands of the ``elastor`` CLI (see ``elastor_mcore.cli``)."""
