@@ -1,0 +1,23 @@
+"""Partition-agnostic checkpoints: every global tensor stored once, in global shape,
+as a zarr v3 array of small inner chunks; any layout loads it by range reads.
+
+The layout-agnostic core is ``save`` / ``load`` on ``LocalShard`` lists; ``open`` reads
+a checkpoint without a process group; ``adapter`` connects any mcore
+``sharded_state_dict()``. The format is documented in ``docs/checkpoint-format.md``.
+"""
+
+from elastor_mcore.checkpoint.format import (
+    FORMAT_VERSION, CheckpointError, ChunkPolicy, Manifest, TensorEntry, check_compatible,
+    committed_steps, latest_step)
+from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, WriteUnit, assign_writers
+from elastor_mcore.checkpoint.reader import CheckpointReader, TensorInfo, load
+from elastor_mcore.checkpoint.reader import open_checkpoint as open
+from elastor_mcore.checkpoint.store import storage_bytes_read
+from elastor_mcore.checkpoint.writer import SaveResult, remove_stale, save, write_checkpoint
+
+__all__ = [
+    "FORMAT_VERSION", "CheckpointError", "CheckpointReader", "ChunkPolicy", "LocalShard",
+    "Manifest", "SaveResult", "TensorEntry", "TensorInfo", "WritePlan", "WriteUnit",
+    "assign_writers", "check_compatible", "committed_steps", "latest_step", "load", "open",
+    "remove_stale", "save", "storage_bytes_read", "write_checkpoint",
+]

@@ -1,0 +1,82 @@
+"""TensorStore plumbing shared by the writer and the reader: one bounded context,
+zero-copy views of torch tensors, batched futures, and the storage byte counters.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import tensorstore as ts
+import torch
+
+from elastor_mcore.checkpoint.format import CheckpointError, TensorEntry, array_spec
+
+IO_CONCURRENCY = 16
+"""Parallel file operations per process; bounds open files and memory in flight."""
+
+
+@functools.lru_cache(maxsize=1)
+def shared_context() -> ts.Context:
+    """One context per process: bounded I/O, fsync on every write, no chunk cache
+    (every byte is read once, so caching would only cost memory)."""
+    return ts.Context({
+        "file_io_concurrency": {"limit": IO_CONCURRENCY},
+        "data_copy_concurrency": {"limit": IO_CONCURRENCY},
+        "file_io_sync": True,
+        "cache_pool": {"total_bytes_limit": 0},
+    })
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing ``tensor``'s memory and strides (bf16 via TensorStore's
+    numpy bfloat16), so reads land in place and writes copy nothing."""
+    if tensor.device.type != "cpu":
+        raise CheckpointError(f"checkpoint I/O needs CPU tensors, got {tensor.device}; "
+                              f"copy device tensors to host first")
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(ts.bfloat16.numpy_dtype)
+    return tensor.numpy()
+
+
+def open_arrays(step_dir: Path, entries: dict[str, TensorEntry], *,
+                create: bool) -> dict[str, ts.TensorStore]:
+    """Open (or, with ``create``, create the metadata of) many arrays concurrently.
+
+    Without ``create`` the manifest's entries are trusted (``assume_metadata``): no
+    ``zarr.json`` reads, so a load touches only chunk data and file indices.
+    """
+    ctx = shared_context()
+    futures = {
+        key: ts.open(array_spec(step_dir, key, entry), context=ctx,
+                     **({"create": True} if create else
+                        {"open": True, "assume_metadata": True}))
+        for key, entry in entries.items()
+    }
+    return dict(zip(futures, wait_all(futures.items(), "open")))
+
+
+def wait_all(futures: Iterable[tuple[str, ts.Future]], action: str) -> list:
+    """Wait for already-issued futures; raise one error naming every failed tensor."""
+    results, failures = [], []
+    for key, future in futures:
+        try:
+            results.append(future.result())
+        except Exception as exc:  # TensorStore raises ValueError/OSError subtypes
+            failures.append(f"tensor {key}: {exc}")
+    if failures:
+        hint = (" (checksum mismatch: the data is corrupted; load another step)"
+                if any("checksum" in f.lower() or "crc32c" in f.lower() for f in failures)
+                else "")
+        raise CheckpointError(f"{action} failed for " + "; ".join(failures[:5])
+                              + (f"; and {len(failures) - 5} more" if len(failures) > 5
+                                 else "") + hint)
+    return results
+
+
+def storage_bytes_read() -> int:
+    """Bytes this process has read through TensorStore's ``file`` kvstore so far."""
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+    return sum(int(v.get("value", 0)) for m in metrics for v in m["values"])

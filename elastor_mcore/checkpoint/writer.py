@@ -1,0 +1,206 @@
+"""Save: every rank writes its share of the files, then rank 0 commits.
+
+Order of a save (each arrow is one ``agree``, so a failure anywhere stops every rank):
+validate -> gather shard boxes, plan -> rank 0 creates ``.tmp_<name>/`` and the array
+metadata -> every rank writes its units (TensorStore fsyncs each file) -> rank 0
+writes ``manifest.json`` last, renames the directory into place, moves ``latest`` and
+prunes old steps -> return. A crash at any point leaves the previous steps loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from elastor_mcore.checkpoint import comm
+from elastor_mcore.checkpoint.format import (
+    FORMAT_VERSION, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, ChunkPolicy, Manifest,
+    committed_steps, step_dir_name, tmp_name)
+from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
+from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
+from elastor_mcore.sharding import local_view
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """A committed step and the plan every rank followed (who wrote which bytes)."""
+
+    path: Path
+    step: int
+    plan: WritePlan
+
+
+def save(root: str | os.PathLike, step: int, shards: Sequence[LocalShard],
+         manifest_extra: dict[str, Any] | None = None, group=None, keep: int = 2,
+         chunking: ChunkPolicy | None = None) -> SaveResult:
+    """Save ``shards`` as ``root/step_<N>`` and point ``root/latest`` at it.
+
+    Called by every rank of ``group`` (default: the world) that holds state; replicas
+    may overlap. Keeps the ``keep`` newest committed steps (and always this one).
+    Returns once the step is committed on every rank.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
+    if keep < 1:
+        raise CheckpointError(f"keep={keep}: at least the step just saved must be kept")
+    root = Path(root)
+
+    def commit_pointer() -> None:
+        _write_durably(root / LATEST, step_dir_name(step) + "\n")
+        _prune(root, step, keep)
+
+    return write_checkpoint(root / step_dir_name(step), step, shards, manifest_extra,
+                            group, chunking, clean_root=True, on_commit=commit_pointer)
+
+
+def write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalShard],
+                     manifest_extra: dict[str, Any] | None = None, group=None,
+                     chunking: ChunkPolicy | None = None, *, clean_root: bool = False,
+                     on_commit: Callable[[], None] | None = None) -> SaveResult:
+    """Save into exactly ``path`` (atomically replacing it), without a ``latest``
+    pointer: the form Megatron-LM's own ``iter_N`` directories need."""
+    path = Path(path)
+    tmp = path.parent / tmp_name(path.name)
+    coordinator = comm.is_coordinator(group)
+    what = f"checkpoint save of step {step} to {path}"
+
+    error = None
+    try:
+        for shard in shards:
+            shard.validate()
+        if coordinator:
+            Manifest.build(step, {}, 1, manifest_extra).to_json()
+    except CheckpointError as exc:
+        error = exc
+    comm.agree(error, what, group)
+
+    plan = build_plan(comm.gather_infos([s.info() for s in shards], group),
+                      chunking or ChunkPolicy())
+
+    error = None
+    if coordinator:
+        try:
+            _prepare(tmp, plan, clean_root)
+        except Exception as exc:
+            error = exc
+    comm.agree(error, what, group)
+
+    error = None
+    try:
+        _write_units(tmp, plan, shards)
+    except Exception as exc:
+        error = exc
+    comm.agree(error, what, group)
+
+    error = None
+    if coordinator:
+        try:
+            writers = len({u.writer for u in plan.units})
+            manifest = Manifest.build(step, plan.entries, writers, manifest_extra)
+            _commit(tmp, path, manifest)
+            if on_commit is not None:
+                on_commit()
+        except Exception as exc:
+            error = exc
+    comm.agree(error, what, group)
+    log.info("committed %s (%d tensors, %d bytes)", path, len(plan.entries),
+             sum(e.nbytes for e in plan.entries.values()))
+    return SaveResult(path, step, plan)
+
+
+def remove_stale(root: str | os.PathLike) -> None:
+    """Delete leftovers of interrupted saves and prunes (``.tmp_*``) under ``root``."""
+    root = Path(root)
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.startswith(TMP_PREFIX):
+                log.info("removing stale %s", entry)
+                _remove(entry)
+
+
+def _prepare(tmp: Path, plan: WritePlan, clean_root: bool) -> None:
+    if clean_root:
+        remove_stale(tmp.parent)
+    elif tmp.exists():
+        _remove(tmp)
+    tmp.mkdir(parents=True)
+    group_meta = {"zarr_format": 3, "node_type": "group",
+                  "attributes": {"elastor_format_version": FORMAT_VERSION}}
+    (tmp / "zarr.json").write_text(json.dumps(group_meta))
+    open_arrays(tmp, plan.entries, create=True)
+
+
+def _write_units(tmp: Path, plan: WritePlan, shards: Sequence[LocalShard]) -> None:
+    """Issue every write of this rank at once, then wait for all of them."""
+    mine = plan.units_of(comm.global_rank())
+    if not mine:
+        return
+    arrays = open_arrays(tmp, {u.key: plan.entries[u.key] for u in mine}, create=False)
+    by_key: dict[str, list[LocalShard]] = {}
+    for shard in shards:
+        by_key.setdefault(shard.key, []).append(shard)
+    futures = []
+    for unit in mine:
+        shard = next(s for s in by_key[unit.key] if s.box.contains(unit.box))
+        source = numpy_view(local_view(shard.data, shard.box, unit.box))
+        futures.append((unit.key, arrays[unit.key][unit.box.slices()].write(source).commit))
+    wait_all(futures, "write")
+
+
+def _commit(tmp: Path, path: Path, manifest: Manifest) -> None:
+    for directory, _, _ in os.walk(tmp):
+        _fsync_dir(Path(directory))
+    _write_durably(tmp / MANIFEST, manifest.to_json())
+    replaced = None
+    if path.exists():
+        replaced = path.parent / tmp_name(path.name + ".replaced")
+        os.rename(path, replaced)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    if replaced is not None:
+        _remove(replaced)
+
+
+def _prune(root: Path, just_saved: int, keep: int) -> None:
+    steps = committed_steps(root)
+    kept = set(steps[-keep:]) | {just_saved}
+    for step in steps:
+        if step not in kept:
+            name = step_dir_name(step)
+            doomed = root / tmp_name(name + ".deleting")
+            os.rename(root / name, doomed)  # atomic: never a half-deleted step_N
+            _remove(doomed)
+            log.info("pruned %s", root / name)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """Write a small file so that it is either absent, or present and complete."""
+    tmp = path.parent / tmp_name(path.name)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
