@@ -6,6 +6,7 @@ a checkpoint without a process group; ``adapter`` connects any mcore
 ``sharded_state_dict()``. The format is documented in ``docs/checkpoint-format.md``.
 """
 
+from elastor_mcore.checkpoint.adapter import load_sharded_state_dict, save_sharded_state_dict
 from elastor_mcore.checkpoint.format import (
     FORMAT_VERSION, CheckpointError, ChunkPolicy, Manifest, TensorEntry, check_compatible,
     committed_steps, latest_step)
@@ -18,6 +19,7 @@ from elastor_mcore.checkpoint.writer import SaveResult, remove_stale, save, writ
 __all__ = [
     "FORMAT_VERSION", "CheckpointError", "CheckpointReader", "ChunkPolicy", "LocalShard",
     "Manifest", "SaveResult", "TensorEntry", "TensorInfo", "WritePlan", "WriteUnit",
-    "assign_writers", "check_compatible", "committed_steps", "latest_step", "load", "open",
-    "remove_stale", "save", "storage_bytes_read", "write_checkpoint",
+    "assign_writers", "check_compatible", "committed_steps", "latest_step", "load",
+    "load_sharded_state_dict", "open", "remove_stale", "save", "save_sharded_state_dict",
+    "storage_bytes_read", "write_checkpoint",
 ]

@@ -36,6 +36,7 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     if tensor.device.type != "cpu":
         raise CheckpointError(f"checkpoint I/O needs CPU tensors, got {tensor.device}; "
                               f"copy device tensors to host first")
+    tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(ts.bfloat16.numpy_dtype)
     return tensor.numpy()
