@@ -1,0 +1,86 @@
+"""Entry point of every training rank: ``torchrun ... -m elastor_mcore.worker``.
+
+``elastor train`` validates everything and then starts this module through torchrun;
+it is not meant to be run by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from elastor_mcore.compat import cpu
+from elastor_mcore.layout import load_layout
+from elastor_mcore.recipe import load_recipe
+from elastor_mcore.train import RunConfig, StepMetrics, train
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="elastor_mcore.worker")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--layout", required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--metrics-out", default=None)
+    return parser.parse_args(argv)
+
+
+def init_distributed() -> None:
+    """NCCL on CUDA (one device per local rank), gloo on CPU with mcore's CPU shims."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        cpu.apply()
+        dist.init_process_group("gloo")
+
+
+class MetricsPrinter:
+    """Prints one line per step and appends JSON lines to ``--metrics-out``."""
+
+    def __init__(self, path: str | None) -> None:
+        self.file = open(path, "w") if path else None
+
+    def __call__(self, m: StepMetrics) -> None:
+        print(f"step {m.step:5d}  loss {m.loss:.6f}  grad_norm {m.grad_norm:.4f}  "
+              f"time {m.time_s:.3f}s", flush=True)
+        if self.file:
+            self.file.write(json.dumps({"step": m.step, "loss": m.loss,
+                                        "grad_norm": m.grad_norm, "time_s": m.time_s}) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=os.environ.get("ELASTOR_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    recipe = load_recipe(args.recipe)
+    layout = load_layout(args.layout, recipe)
+    init_distributed()
+    seed = recipe.training.seed if args.seed is None else args.seed
+    printer = MetricsPrinter(args.metrics_out) if dist.get_rank() == min(layout.ranks) else None
+    try:
+        train(RunConfig(recipe, layout, args.steps, seed, on_step=printer))
+    finally:
+        if printer:
+            printer.close()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
