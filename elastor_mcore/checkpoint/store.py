@@ -68,9 +68,8 @@ def wait_all(futures: Iterable[tuple[str, ts.Future]], action: str) -> list:
         except Exception as exc:  # TensorStore raises ValueError/OSError subtypes
             failures.append(f"tensor {key}: {exc}")
     if failures:
-        hint = (" (checksum mismatch: the data is corrupted; load another step)"
-                if any("checksum" in f.lower() or "crc32c" in f.lower() for f in failures)
-                else "")
+        corrupt = any(m in f.lower() for f in failures for m in ("digest mismatch", "data_loss"))
+        hint = " (checksum mismatch: the file is corrupted; load another step)" if corrupt else ""
         raise CheckpointError(f"{action} failed for " + "; ".join(failures[:5])
                               + (f"; and {len(failures) - 5} more" if len(failures) > 5
                                  else "") + hint)

@@ -1,0 +1,36 @@
+"""Assertions shared by the checkpoint tests: write plans and read amplification."""
+
+from __future__ import annotations
+
+import math
+
+MAX_IMBALANCE = 1.25
+MAX_READ_AMPLIFICATION = 1.1
+
+
+def assert_units_tile(units, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every element of every tensor is in exactly one write unit.
+
+    ``units`` are ``(key, offset, shape, ...)`` rows: pairwise disjoint boxes whose
+    sizes add up to the tensor is exactly a tiling.
+    """
+    by_key: dict[str, list] = {}
+    for key, offset, shape, *_ in units:
+        by_key.setdefault(key, []).append((tuple(offset), tuple(shape)))
+    assert set(by_key) == set(shapes)
+    for key, boxes in by_key.items():
+        assert sum(math.prod(s) for _, s in boxes) == math.prod(shapes[key]), key
+        for i, (o1, s1) in enumerate(boxes):
+            for o2, s2 in boxes[i + 1:]:
+                overlap = all(a < c + d and c < a + b for a, b, c, d in zip(o1, s1, o2, s2))
+                assert not overlap, f"{key}: units at {o1} and {o2} overlap"
+
+
+def assert_balanced(bytes_by_rank: dict) -> None:
+    loads = list(bytes_by_rank.values())
+    mean = sum(loads) / len(loads)
+    assert max(loads) <= MAX_IMBALANCE * mean, bytes_by_rank
+
+
+def amplification(bytes_read: int, bytes_needed: int) -> float:
+    return bytes_read / bytes_needed

@@ -1,0 +1,144 @@
+"""Worker: library-level save/load across 4 ranks, no mcore model.
+
+Saves from TP-4-style boxes where every quarter has two holders (replicas), then
+loads into halves, 3-way uneven boxes and whole tensors (bf16 and fp32, bit-exact),
+saves from a sub-group that excludes rank 0, and measures bytes read. Rank 0 writes
+``result.json`` into ``--out``; the pytest side asserts on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# key -> (global shape, dtype, split dim or None for replicated)
+TENSORS = {
+    "decoder.layers.0.mlp.linear_fc1.weight_w": ((192, 64), torch.float32, 0),
+    "decoder.layers.0.mlp.linear_fc2.weight": ((64, 192), torch.bfloat16, 1),
+    "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight": ((64,), torch.float32, None),
+    "embedding.word_embeddings.weight": ((512, 64), torch.bfloat16, 0),
+    "optimizer.exp_avg.embedding.word_embeddings.weight": ((512, 64), torch.float32, 0),
+}
+
+
+def truth(key: str) -> torch.Tensor:
+    shape, dtype, _ = TENSORS[key]
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def piece(key: str, dim: int | None, lo: int, hi: int, fill: float | None = None):
+    """A LocalShard of rows/cols [lo, hi) along ``dim`` (the whole tensor if None)."""
+    from elastor_mcore.checkpoint import LocalShard
+
+    full = truth(key)
+    shape = TENSORS[key][0]
+    offset = [0] * len(shape)
+    data = full
+    if dim is not None:
+        offset[dim] = lo
+        data = full.narrow(dim, lo, hi - lo)
+    data = data.clone() if fill is None else torch.full_like(data, fill)
+    return LocalShard(key, shape, tuple(offset), data)
+
+
+def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+
+
+def save_boxes(rank: int) -> list:
+    """TP-4 quarters; rank r holds quarters r and r+1 (mod 4): every quarter twice."""
+    shards = []
+    for key, (shape, _, dim) in TENSORS.items():
+        if dim is None:
+            shards.append(piece(key, None, 0, 0))
+            continue
+        quarters = split_bounds(shape[dim], 4)
+        for q in (rank, (rank + 1) % 4):
+            shards.append(piece(key, dim, *quarters[q]))
+    return shards
+
+
+def load_boxes(rank: int, how: str) -> list:
+    """Empty destination shards for one target layout."""
+    targets = []
+    for key, (shape, _, dim) in TENSORS.items():
+        if dim is None or how == "whole" or (how == "uneven" and rank == 3):
+            targets.append(piece(key, None, 0, 0, fill=-7.0))
+        elif how == "halves":
+            targets.append(piece(key, dim, *split_bounds(shape[dim], 2)[rank % 2], fill=-7.0))
+        elif how == "uneven":
+            n = shape[dim]
+            cuts = [0, n // 4 + 3, n // 2 + 7, n]
+            targets.append(piece(key, dim, cuts[rank], cuts[rank + 1], fill=-7.0))
+    return targets
+
+
+def mismatches(targets) -> list[str]:
+    """Targets whose bits differ from the global truth."""
+    from elastor_mcore.sharding import Box, local_view
+
+    bad = []
+    for t in targets:
+        full = truth(t.key)
+        want = local_view(full, Box((0,) * full.dim(), tuple(full.shape)), t.box)
+        ints = {2: torch.int16, 4: torch.int32}[want.element_size()]
+        if not torch.equal(t.data.view(ints), want.contiguous().view(ints)):
+            bad.append(f"{t.key} {t.box}")
+    return bad
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    out = Path(parser.parse_args().out)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    from elastor_mcore import checkpoint as ck
+
+    policy = ck.ChunkPolicy(chunk_bytes=2 * 1024, file_bytes=8 * 1024)
+    saved = ck.save(out / "world", 3, save_boxes(rank), {"layout": {"tp": 4}}, chunking=policy)
+
+    report = {"rank": rank}
+    for how in ("halves", "uneven", "whole"):
+        targets = load_boxes(rank, how)
+        before = ck.storage_bytes_read()
+        ck.load(out / "world", targets)
+        report[how] = dict(
+            mismatches=mismatches(targets),
+            bytes_read=ck.storage_bytes_read() - before,
+            bytes_needed=sum(t.data.numel() * t.data.element_size() for t in targets))
+
+    # A sub-group that leaves rank 0 idle: it neither calls save nor blocks it.
+    holders = dist.new_group([1, 2, 3])
+    if rank != 0:
+        mine = [piece(k, d, *split_bounds(s[d], 3)[rank - 1]) if d is not None
+                else piece(k, None, 0, 0) for k, (s, _, d) in TENSORS.items()]
+        ck.save(out / "sub", 4, mine, {}, group=holders)
+    dist.barrier()
+    targets = load_boxes(rank, "halves")
+    ck.load(out / "sub", targets)
+    report["subgroup"] = dict(mismatches=mismatches(targets),
+                              writers=ck.open(out / "sub").manifest.writers)
+
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if rank == 0:
+        plan = saved.plan
+        (out / "result.json").write_text(json.dumps(dict(
+            ranks=reports,
+            bytes_by_rank={str(k): v for k, v in plan.bytes_by_rank().items()},
+            units=[[u.key, list(u.box.offset), list(u.box.shape), list(u.holders), u.writer]
+                   for u in plan.units],
+            shapes={k: list(e.shape) for k, e in plan.entries.items()})))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
