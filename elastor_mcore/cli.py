@@ -13,6 +13,7 @@ import sys
 
 SUBCOMMAND_MODULES = [
     "elastor_mcore.commands.train",
+    "elastor_mcore.commands.tokenizer",
     "elastor_mcore.commands.inspect",
 ]
 

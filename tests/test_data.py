@@ -1,0 +1,308 @@
+"""Real training data: JSONL and Megatron indexed corpora, background packing, resume.
+
+A tiny corpus and a 300-id tokenizer are built once per module in a temp dir. The
+resume tests rebuild each global batch from every pipeline's micro-batches, as the
+runtime would, without launching distributed training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from elastor_mcore.cli import main as cli_main
+from elastor_mcore.data import pipeline_micro_batches
+from elastor_mcore.datasets.config import (DataConfig, add_data_args, data_config_from_args,
+                                           validate_data_config)
+from elastor_mcore.datasets.corpus import iter_texts, resolve_corpus
+from elastor_mcore.datasets.doc_index import JsonlDocuments, load_index
+from elastor_mcore.datasets.errors import DataError
+from elastor_mcore.datasets.packing import PackedSamples, PackingPlan
+from elastor_mcore.datasets.source import (build_sample_source, pipeline_sample_indices,
+                                           prepare_data)
+from elastor_mcore.datasets.stdlib_corpus import write_stdlib_corpus
+from elastor_mcore.datasets.tokenizer import load_tokenizer, train_tokenizer
+from elastor_mcore.layout import layout_from_dict
+from elastor_mcore.recipe import load_recipe
+
+pytestmark = pytest.mark.timeout(120)
+
+RECIPE = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "tiny-llama.yaml")
+G = RECIPE.training.global_batch_size
+MBS = RECIPE.training.micro_batch_size
+WORDS = ("the model trains on tokens from many documents while pipelines differ in "
+         "size and layout but every global batch stays the same after a restart").split()
+
+
+def _layout(*micro_batches: int):
+    return layout_from_dict({"pipelines": [
+        {"micro_batches": mb, "stages": [{"tp": 1, "layers": RECIPE.model.num_layers}]}
+        for mb in micro_batches]})
+
+
+def _write_corpus(directory: Path, files: int = 3, documents: int = 60, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for f in range(files):
+        with open(directory / f"part-{f}.jsonl", "w") as handle:
+            for d in range(documents):
+                text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 120)))
+                handle.write(json.dumps({"text": f"doc {f}/{d}: {text}.", "id": d}) + "\n")
+                if d == 7:
+                    handle.write("\n")   # blank lines are not documents, and not errors
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> DataConfig:
+    root = tmp_path_factory.mktemp("data")
+    _write_corpus(root / "corpus")
+    train_tokenizer(iter_texts(resolve_corpus([root / "corpus"]), "fail"), 300, root / "tok")
+    cfg = DataConfig(kind="jsonl", paths=(str(root / "corpus"),), tokenizer=str(root / "tok"),
+                     prefetch_depth=64, index_workers=2)
+    prepare_data(cfg, RECIPE)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def indexed(corpus, tmp_path_factory) -> DataConfig:
+    from elastor_mcore.datasets.indexed import build_indexed_dataset
+    index = load_index(prepare_data(corpus, RECIPE).index_path)
+    prefix = tmp_path_factory.mktemp("indexed") / "corpus"
+    build_indexed_dataset(index, load_tokenizer(corpus.tokenizer), prefix, workers=2)
+    return DataConfig(kind="indexed", paths=(str(prefix),), tokenizer=corpus.tokenizer)
+
+
+def _global_batches(cfg: DataConfig, layout, start: int, stop: int) -> list[torch.Tensor]:
+    """Steps [start, stop): each global batch rebuilt from every pipeline's micro-batches,
+    each pipeline reading through its own source as its rank would."""
+    per_pipeline = []
+    for p in range(len(layout.pipelines)):
+        indices = pipeline_sample_indices(layout, p, G, MBS, start_step=start, stop_step=stop)
+        source = build_sample_source(cfg, RECIPE, indices)
+        try:
+            per_pipeline.append([torch.cat([mb.tokens for mb in
+                                            pipeline_micro_batches(source, layout, p, step, G, MBS)])
+                                 for step in range(start, stop)])
+        finally:
+            source.close()
+    return [torch.cat([steps[i] for steps in per_pipeline]) for i in range(stop - start)]
+
+
+def _reference(cfg: DataConfig, steps: range) -> list[torch.Tensor]:
+    plan_cfg = prepare_data(cfg, RECIPE)
+    index = load_index(plan_cfg.index_path)
+    tokenizer = load_tokenizer(cfg.tokenizer)
+    packed = PackedSamples(JsonlDocuments(index, tokenizer),
+                           PackingPlan(index.token_counts, RECIPE.model.seq_length,
+                                       RECIPE.training.seed, cfg.shuffle), tokenizer.eos_id)
+    return [torch.from_numpy(packed.samples(range(s * G, s * G + G))[:, :-1].astype(np.int64))
+            for s in steps]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_jsonl_resume_under_another_layout_gives_the_same_batches(corpus, shuffle):
+    cfg = DataConfig(**{**corpus.__dict__, "shuffle": shuffle})
+    k = 9
+    uninterrupted = _global_batches(cfg, _layout(8, 8), 0, k + 6)
+    resumed = _global_batches(cfg, _layout(4, 6, 5, 1), k, k + 6)
+    for step, batch in zip(range(k, k + 6), resumed):
+        assert torch.equal(batch, uninterrupted[step]), f"step {step} differs after resume"
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, _reference(cfg, range(k + 6))))
+    assert int(torch.cat(uninterrupted).max()) < RECIPE.model.vocab_size
+
+
+def test_indexed_resume_under_another_layout_matches_jsonl(corpus, indexed):
+    k = 7
+    uninterrupted = _global_batches(indexed, _layout(16), 0, k + 6)
+    resumed = _global_batches(indexed, _layout(2, 6, 8), k, k + 6)
+    for step, batch in zip(range(k, k + 6), resumed):
+        assert torch.equal(batch, uninterrupted[step]), f"step {step} differs after resume"
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, _reference(corpus, range(k + 6))))
+    summary = prepare_data(indexed, RECIPE)
+    assert summary.kind == "indexed"
+    assert summary.tokens == prepare_data(corpus, RECIPE).tokens
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and records every text it is asked to encode."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.eos_id = inner.eos_id
+        self.texts: list[str] = []
+
+    def encode_batch(self, texts):
+        self.texts += list(texts)
+        return self.inner.encode_batch(texts)
+
+
+def _documents_of(plan: PackingPlan, indices) -> set[int]:
+    return {doc for i in indices for doc, _, _ in plan.pieces(i)}
+
+
+def test_skipping_to_the_resume_position_tokenises_nothing_before_it(corpus):
+    index = load_index(prepare_data(corpus, RECIPE).index_path)
+    counting = CountingTokenizer(load_tokenizer(corpus.tokenizer))
+    plan = PackingPlan(index.token_counts, RECIPE.model.seq_length, RECIPE.training.seed, False)
+    packed = PackedSamples(JsonlDocuments(index, counting), plan, counting.eos_id)
+    k = plan.samples_per_epoch // G - 6          # resume near the end of the corpus
+    wanted = range(k * G, (k + 6) * G)
+    packed.samples(list(wanted))
+    needed = _documents_of(plan, wanted)
+    assert len(counting.texts) == len(needed) < index.num_documents // 4
+    assert min(needed) > index.num_documents // 2
+    texts = [JsonlDocuments(index, counting.inner).documents([d]) for d in sorted(needed)]
+    assert len(texts) == len(counting.texts)
+
+    # The background workers do the same: every document they tokenise is needed.
+    indices = pipeline_sample_indices(_layout(16), 0, G, MBS, start_step=k, stop_step=k + 6)
+    with build_sample_source(corpus, RECIPE, indices) as source:
+        for i in wanted:
+            source.sample(i)
+        assert source.stats.documents_tokenized == len(needed)
+        assert source.stats.samples_out_of_plan == 0
+
+
+def test_sample_definition_joins_documents_with_eos_and_overlaps_one_token(corpus):
+    index = load_index(prepare_data(corpus, RECIPE).index_path)
+    tokenizer = load_tokenizer(corpus.tokenizer)
+    seq = RECIPE.model.seq_length
+    plan = PackingPlan(index.token_counts, seq, RECIPE.training.seed, False)
+    packed = PackedSamples(JsonlDocuments(index, tokenizer), plan, tokenizer.eos_id)
+    n = 40
+    samples = packed.samples(range(n))
+    stream = np.concatenate([np.append(t, tokenizer.eos_id) for t in
+                             JsonlDocuments(index, tokenizer).documents(range(20))])
+    for j in range(n):
+        assert np.array_equal(samples[j], stream[j * seq:j * seq + seq + 1])
+    # Past the epoch the corpus starts again (same order without shuffle).
+    first_of_epoch_1 = packed.samples([plan.samples_per_epoch])[0]
+    assert np.array_equal(first_of_epoch_1, samples[0])
+    assert plan.samples_per_epoch == (index.num_tokens + index.num_documents - 1) // seq
+
+
+def test_shuffle_permutes_documents_per_epoch_deterministically(corpus):
+    index = load_index(prepare_data(corpus, RECIPE).index_path)
+    a = PackingPlan(index.token_counts, 32, 1234, True)
+    b = PackingPlan(index.token_counts, 32, 1234, True)
+    n = a.samples_per_epoch
+    assert [a.pieces(i) for i in (0, 5, n, n + 5)] == [b.pieces(i) for i in (0, 5, n, n + 5)]
+    assert a.pieces(0) != a.pieces(n)      # a new permutation each epoch
+    assert _documents_of(a, range(n)) == set(range(index.num_documents))
+
+
+def test_malformed_lines_are_reported_with_file_and_line(tmp_path, corpus, caplog):
+    directory = tmp_path / "bad"
+    directory.mkdir()
+    good = Path(corpus.paths[0]) / "part-0.jsonl"
+    lines = good.read_text().splitlines(keepends=True)
+    lines[2] = '{"text": "unterminated\n'
+    lines[4] = '["not", "an", "object"]\n'
+    (directory / "a.jsonl").write_text("".join(lines))
+    (directory / "b.jsonl").write_text('{"title": "no text field"}\n')
+    cfg = DataConfig(**{**corpus.__dict__, "paths": (str(directory),),
+                        "cache_dir": str(tmp_path / "cache")})
+    with pytest.raises(DataError) as err:
+        prepare_data(cfg, RECIPE)
+    message = str(err.value)
+    a, b = str((directory / "a.jsonl").resolve()), str((directory / "b.jsonl").resolve())
+    assert f"{a}:3: invalid JSON" in message and f"{a}:5: expected a JSON object" in message
+    assert f'{b}:1: missing string field "text"' in message and "--skip-malformed" in message
+    skip = DataConfig(**{**cfg.__dict__, "malformed": "skip"})
+    with caplog.at_level(logging.WARNING):
+        summary = prepare_data(skip, RECIPE)
+    assert f"{a}:3:" in caplog.text and summary.documents == len(lines) - 1 - 2
+    assert not summary.index_built   # the failed run already cached the index
+
+
+def test_bad_configurations_fail_before_any_worker_starts(tmp_path, corpus):
+    def fails(match: str, **changes) -> None:
+        with pytest.raises(DataError, match=match):
+            validate_data_config(DataConfig(**{**corpus.__dict__, **changes}), RECIPE)
+
+    fails("does not exist", paths=(str(tmp_path / "missing.jsonl"),))
+    (tmp_path / "empty.jsonl").write_text("")
+    fails("the corpus is empty", paths=(str(tmp_path / "empty.jsonl"),))
+    (tmp_path / "nojsonl").mkdir()
+    fails("contains no \\*.jsonl files", paths=(str(tmp_path / "nojsonl"),))
+    fails("needs --tokenizer", tokenizer=None)
+    fails("elastor tokenizer train", tokenizer=str(tmp_path / "no-tokenizer"))
+    fails("--data-workers must be at least 1", workers=0)
+    fails("missing .*corpus.bin", kind="indexed", paths=(str(tmp_path / "corpus"),))
+    small = RECIPE.model.__class__(**{**RECIPE.model.__dict__, "vocab_size": 260})
+    with pytest.raises(DataError, match="has 300 ids but the model's vocab_size is 260"):
+        validate_data_config(corpus, RECIPE.__class__(**{**RECIPE.__dict__, "model": small}))
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="has no documents"):
+        prepare_data(DataConfig(**{**corpus.__dict__, "paths": (str(tmp_path / "blank.jsonl"),)}),
+                     RECIPE)
+
+
+def test_changed_corpus_or_tokenizer_rebuilds_the_index(tmp_path, corpus):
+    directory = tmp_path / "c"
+    _write_corpus(directory, files=1, documents=30, seed=1)
+    cfg = DataConfig(**{**corpus.__dict__, "paths": (str(directory),)})
+    first = prepare_data(cfg, RECIPE)
+    assert first.index_built and Path(first.index_path).parent == directory / ".elastor-index"
+    assert not prepare_data(cfg, RECIPE).index_built
+    index = load_index(first.index_path)
+    lines = (directory / "part-0.jsonl").read_text().splitlines(keepends=True)
+    (directory / "part-0.jsonl").write_text(json.dumps({"text": "x" * 50}) + "\n"
+                                            + "".join(lines[1:]))
+    with pytest.raises(DataError, match="changed after its document index"):
+        JsonlDocuments(index, load_tokenizer(cfg.tokenizer)).documents([0])
+    second = prepare_data(cfg, RECIPE)
+    assert second.index_built and second.index_path != first.index_path
+    retrained = tmp_path / "tok2"
+    train_tokenizer(iter_texts(resolve_corpus([directory]), "fail"), 280, retrained)
+    third = prepare_data(DataConfig(**{**cfg.__dict__, "tokenizer": str(retrained)}), RECIPE)
+    assert third.index_built and third.index_path != second.index_path
+
+
+def test_flags_build_the_config():
+    parser = argparse.ArgumentParser()
+    add_data_args(parser)
+    args = parser.parse_args(["--data", "a.jsonl", "dir", "--tokenizer", "tok",
+                              "--skip-malformed", "--data-workers", "2", "--shuffle-data"])
+    cfg = data_config_from_args(args)
+    assert cfg == DataConfig(kind="jsonl", paths=("a.jsonl", "dir"), tokenizer="tok",
+                             malformed="skip", workers=2, shuffle=True)
+    args = parser.parse_args(["--data-path", "pre", "--tokenizer", "tok"])
+    assert data_config_from_args(args).kind == "indexed"
+    assert data_config_from_args(parser.parse_args(["--synthetic-data"])).kind == "synthetic"
+    default = DataConfig(kind="jsonl", paths=("demo",), tokenizer="tok")
+    assert data_config_from_args(parser.parse_args([]), default) is default
+    with pytest.raises(DataError, match="--synthetic-data"):
+        data_config_from_args(parser.parse_args([]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data", "a", "--data-path", "b"])
+
+
+def test_synthetic_source_is_the_runtime_default():
+    source = build_sample_source(DataConfig(), RECIPE, range(4))
+    assert source.sample(3).shape == (RECIPE.model.seq_length + 1,)
+
+
+def test_tokenizer_cli_trains_offline(tmp_path, corpus, capsys):
+    out = tmp_path / "tok"
+    assert cli_main(["tokenizer", "train", "--corpus", *corpus.paths, "--vocab-size", "270",
+                     "--out", str(out), "--max-mb", "0.01"]) == 0
+    tokenizer = load_tokenizer(out)
+    assert tokenizer.vocab_size == 270 and tokenizer.eos_id == 0
+    assert cli_main(["tokenizer", "train", "--corpus", *corpus.paths, "--vocab-size", "100",
+                     "--out", str(out)]) == 2
+    assert "at least 257" in capsys.readouterr().err
+
+
+def test_stdlib_corpus_is_valid_jsonl(tmp_path):
+    stats = write_stdlib_corpus(tmp_path, max_mb=0.3)
+    files = resolve_corpus([tmp_path])
+    texts = list(iter_texts(files, "fail"))
+    assert len(texts) == stats.documents > 10 and stats.bytes >= 0.3e6
