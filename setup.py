@@ -14,6 +14,7 @@ setup(
         "pyyaml",
         "numpy",
         "psutil",
+        "tokenizers>=0.21",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout"],
