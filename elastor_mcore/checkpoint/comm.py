@@ -31,11 +31,6 @@ def is_coordinator(group=None) -> bool:
     return dist is None or dist.get_rank(group) == 0
 
 
-def group_size(group=None) -> int:
-    dist = _dist()
-    return dist.get_world_size(group) if dist else 1
-
-
 def all_gather(value: Any, group=None) -> list[Any]:
     """Every rank's ``value``, in group-rank order."""
     dist = _dist()

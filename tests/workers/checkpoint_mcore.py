@@ -124,10 +124,7 @@ def main() -> None:
             bytes_by_rank={str(k): v for k, v in plan.bytes_by_rank().items()},
             units=[[u.key, list(u.box.offset), list(u.box.shape), u.writer]
                    for u in plan.units],
-            shapes={k: list(e.shape) for k, e in plan.entries.items()},
-            itemsize={k: e.nbytes // max(1, torch.Size(e.shape).numel())
-                      for k, e in plan.entries.items()},
-        )))
+            shapes={k: list(e.shape) for k, e in plan.entries.items()})))
     dist.barrier()
     dist.destroy_process_group()
 
