@@ -157,7 +157,7 @@ def _save(index: DocumentIndex) -> None:
 def load_or_build_index(files: Sequence[CorpusFile], tokenizer: TextTokenizer, cache_dir: Path,
                         workers: int) -> tuple[DocumentIndex, bool]:
     """The corpus's index from the cache, built first if missing; and whether it was built."""
-    path = index_path(files, tokenizer, cache_dir)
+    path = index_path(files, tokenizer, cache_dir).resolve()   # workers read it by path
     if path.is_file():
         return load_index(path), False
     try:

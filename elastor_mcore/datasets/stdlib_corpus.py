@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import site
 import sysconfig
 from dataclasses import dataclass
@@ -46,12 +47,16 @@ def _source_roots() -> list[Path]:
 
 
 def _python_files(root: Path, nested_packages: bool) -> Iterator[Path]:
-    """``*.py`` under ``root``, sorted; ``nested_packages=False`` leaves out the
+    """``*.py`` under ``root`` in a fixed order (directories walked in sorted order,
+    lazily, so a small corpus stops early); ``nested_packages=False`` leaves out the
     site-packages directories that sit inside the standard library's tree."""
-    for path in sorted(root.rglob("*.py")):
-        parts = set(path.relative_to(root).parts)
-        if path.is_file() and (nested_packages or not parts & {"site-packages", "dist-packages"}):
-            yield path
+    for directory, subdirs, names in os.walk(root):
+        subdirs.sort()
+        if not nested_packages:
+            subdirs[:] = [d for d in subdirs if d not in ("site-packages", "dist-packages")]
+        for name in sorted(names):
+            if name.endswith(".py"):
+                yield Path(directory) / name
 
 
 def split_source(text: str) -> list[str]:

@@ -29,7 +29,7 @@ class TextTokenizer:
     """A loaded tokenizer: text to int32 ids, plus its EOS id, vocab size and fingerprint."""
 
     def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).resolve()
         path = self.directory / TOKENIZER_FILE
         if not path.is_file():
             raise DataError(
@@ -59,9 +59,6 @@ class TextTokenizer:
         """How many ids each text encodes to (int32), without building the id arrays."""
         encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
         return np.fromiter((len(e) for e in encodings), dtype=np.int32, count=len(encodings))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
 def load_tokenizer(directory: str | Path) -> TextTokenizer:

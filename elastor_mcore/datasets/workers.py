@@ -49,17 +49,19 @@ def _serve(conn: Connection) -> None:
     while True:
         try:
             message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
+        except (EOFError, OSError):   # the trainer closed the pool or is gone
             return
         task_id, task = message
         try:
-            conn.send((task_id, True, task.run(context)))
+            reply = (task_id, True, task.run(context))
         except DataError as exc:
-            conn.send((task_id, False, str(exc)))
+            reply = (task_id, False, str(exc))
         except Exception:  # report anything else with its traceback, then keep serving
-            conn.send((task_id, False, f"data worker failed:\n{traceback.format_exc()}"))
+            reply = (task_id, False, f"data worker failed:\n{traceback.format_exc()}")
+        try:
+            conn.send(reply)
+        except OSError:   # the trainer is gone
+            return
 
 
 class WorkerPool:
@@ -165,23 +167,20 @@ class WorkerPool:
             self._lock.notify_all()
 
     def close(self) -> None:
-        """Stop the workers (finishing no further work) and reap them."""
+        """Stop the workers now (queued work is dropped; workers hold no state) and reap them."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        for conn in self._conns:
-            try:
-                conn.send(None)
-            except OSError:
-                pass
+        for proc in self._procs:
+            proc.terminate()
         for proc in self._procs:
             try:
-                proc.wait(timeout=2)
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self._receiver.join(timeout=5)
+        self._receiver.join()
         for conn in self._conns:
             conn.close()
 
