@@ -149,18 +149,13 @@ def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache) ->
                        comm, device)
 
 
-def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
-    """Train ``cfg.steps`` steps of ``cfg.layout``; metrics are returned on the
-    reporting rank (empty elsewhere)."""
-    cache = cache or GroupCache()
-    runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache)
-    if runner is None:
-        return []
-    model_cfg = cfg.recipe.model
-    source = cfg.source or SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
-    reporter = runner.groups.rank == min(cfg.layout.ranks)
+def train_steps(runner: StageRunner, source: SampleSource, steps: range,
+                on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+    """Run the (0-based) ``steps``; metrics are returned on the reporting rank, the
+    lowest active rank (empty elsewhere)."""
+    reporter = runner.groups.rank == min(runner.groups.layout.ranks)
     metrics = []
-    for step in range(cfg.steps):
+    for step in steps:
         start = time.perf_counter()
         loss_part, norm = runner.train_step(source, step)
         loss = torch.tensor(loss_part, dtype=torch.float64)
@@ -168,6 +163,16 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
         if reporter:
             m = StepMetrics(step + 1, float(loss), norm, time.perf_counter() - start)
             metrics.append(m)
-            if cfg.on_step:
-                cfg.on_step(m)
+            if on_step:
+                on_step(m)
     return metrics
+
+
+def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
+    """Set up this rank for ``cfg.layout`` and train ``cfg.steps`` steps."""
+    runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache or GroupCache())
+    if runner is None:
+        return []
+    model_cfg = cfg.recipe.model
+    source = cfg.source or SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
+    return train_steps(runner, source, range(cfg.steps), cfg.on_step)

@@ -1,0 +1,54 @@
+"""Shared fixtures: the repository root, recipes, and a runner for torchrun worlds."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastor_mcore.launch import run_torchrun
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny-llama.yaml"
+
+
+def run_world(nproc: int, module: str, args: list[str], timeout: float = 240):
+    """Run a torchrun world from the repo root; fail the test with its output."""
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = run_torchrun(nproc, module, args, timeout=timeout, capture=True, env=env)
+    if result.returncode:
+        pytest.fail(f"torchrun {module} exited {result.returncode}\n"
+                    f"--- stdout ---\n{result.stdout[-6000:]}\n"
+                    f"--- stderr ---\n{result.stderr[-6000:]}")
+    return result
+
+
+def load_losses(path: Path) -> list[float]:
+    return [m["loss"] for m in json.loads(path.read_text())]
+
+
+def assemble_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """Full global tensors from every rank's saved shards (see train_matrix.py)."""
+    parts: dict[str, list] = {}
+    for f in sorted(run_dir.glob("rank*.pt")):
+        for key, (offset, tensor) in torch.load(f).items():
+            parts.setdefault(key, []).append((offset, tensor))
+    full = {}
+    for key, pieces in parts.items():
+        shape = [max(o[d] + t.shape[d] for o, t in pieces) for d in range(pieces[0][1].dim())]
+        out = torch.full(shape, float("nan"), dtype=pieces[0][1].dtype)
+        for offset, tensor in pieces:
+            out[tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))] = tensor
+        full[key] = out
+    return full
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="session")
+def tiny_recipe_path() -> Path:
+    return TINY
