@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -21,13 +22,13 @@ from elastor_mcore.cli import main as cli_main
 from elastor_mcore.data import pipeline_micro_batches
 from elastor_mcore.datasets.config import (DataConfig, add_data_args, data_config_from_args,
                                            validate_data_config)
-from elastor_mcore.datasets.corpus import iter_texts, resolve_corpus
+from elastor_mcore.datasets.corpus import iter_texts, read_text, resolve_corpus
 from elastor_mcore.datasets.doc_index import JsonlDocuments, load_index
 from elastor_mcore.datasets.errors import DataError
 from elastor_mcore.datasets.packing import PackedSamples, PackingPlan
 from elastor_mcore.datasets.source import (build_sample_source, pipeline_sample_indices,
                                            prepare_data)
-from elastor_mcore.datasets.stdlib_corpus import write_stdlib_corpus
+from elastor_mcore.datasets.stdlib_corpus import prepare_demo_data
 from elastor_mcore.datasets.tokenizer import load_tokenizer, train_tokenizer
 from elastor_mcore.layout import layout_from_dict
 from elastor_mcore.recipe import load_recipe
@@ -145,6 +146,11 @@ def _documents_of(plan: PackingPlan, indices) -> set[int]:
     return {doc for i in indices for doc, _, _ in plan.pieces(i)}
 
 
+def _text_of(index, doc: int) -> str:
+    with open(index.files[index.file_ids[doc]], "rb") as handle:
+        return read_text(handle, int(index.offsets[doc]))
+
+
 def test_skipping_to_the_resume_position_tokenises_nothing_before_it(corpus):
     index = load_index(prepare_data(corpus, RECIPE).index_path)
     counting = CountingTokenizer(load_tokenizer(corpus.tokenizer))
@@ -156,8 +162,7 @@ def test_skipping_to_the_resume_position_tokenises_nothing_before_it(corpus):
     needed = _documents_of(plan, wanted)
     assert len(counting.texts) == len(needed) < index.num_documents // 4
     assert min(needed) > index.num_documents // 2
-    texts = [JsonlDocuments(index, counting.inner).documents([d]) for d in sorted(needed)]
-    assert len(texts) == len(counting.texts)
+    assert set(counting.texts) == {_text_of(index, d) for d in needed}
 
     # The background workers do the same: every document they tokenise is needed.
     indices = pipeline_sample_indices(_layout(16), 0, G, MBS, start_step=k, stop_step=k + 6)
@@ -246,18 +251,27 @@ def test_bad_configurations_fail_before_any_worker_starts(tmp_path, corpus):
 def test_changed_corpus_or_tokenizer_rebuilds_the_index(tmp_path, corpus):
     directory = tmp_path / "c"
     _write_corpus(directory, files=1, documents=30, seed=1)
+    path = directory / "part-0.jsonl"
     cfg = DataConfig(**{**corpus.__dict__, "paths": (str(directory),)})
     first = prepare_data(cfg, RECIPE)
     assert first.index_built and Path(first.index_path).parent == directory / ".elastor-index"
     assert not prepare_data(cfg, RECIPE).index_built
-    index = load_index(first.index_path)
-    lines = (directory / "part-0.jsonl").read_text().splitlines(keepends=True)
-    (directory / "part-0.jsonl").write_text(json.dumps({"text": "x" * 50}) + "\n"
-                                            + "".join(lines[1:]))
-    with pytest.raises(DataError, match="changed after its document index"):
-        JsonlDocuments(index, load_tokenizer(cfg.tokenizer)).documents([0])
+
+    # An edit that keeps size and mtime fools the cache key, but not the token counts.
+    stat = path.stat()
+    text = json.loads(path.read_text().splitlines()[0])["text"]
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(json.dumps({"text": "x" * len(text), "id": 0}) + "\n" + "".join(lines[1:]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size
+    with build_sample_source(cfg, RECIPE, range(100)) as source:
+        with pytest.raises(DataError, match="changed after its document index"):
+            source.sample(0)   # raised in the worker, re-raised here
+
+    with open(path, "a") as handle:
+        handle.write(json.dumps({"text": "one more document"}) + "\n")
     second = prepare_data(cfg, RECIPE)
-    assert second.index_built and second.index_path != first.index_path
+    assert second.index_built and second.documents == first.documents + 1
     retrained = tmp_path / "tok2"
     train_tokenizer(iter_texts(resolve_corpus([directory]), "fail"), 280, retrained)
     third = prepare_data(DataConfig(**{**cfg.__dict__, "tokenizer": str(retrained)}), RECIPE)
@@ -299,8 +313,9 @@ def test_tokenizer_cli_trains_offline(tmp_path, corpus, capsys):
     assert "at least 257" in capsys.readouterr().err
 
 
-def test_stdlib_corpus_is_valid_jsonl(tmp_path):
-    stats = write_stdlib_corpus(tmp_path, max_mb=0.3)
-    files = resolve_corpus([tmp_path])
-    texts = list(iter_texts(files, "fail"))
-    assert len(texts) == stats.documents > 10 and stats.bytes >= 0.3e6
+def test_demo_data_is_made_from_local_python_sources(tmp_path):
+    cfg = prepare_demo_data(tmp_path, RECIPE, max_mb=0.3)
+    assert validate_data_config(cfg, RECIPE).vocab_size == RECIPE.model.vocab_size
+    texts = list(iter_texts(resolve_corpus(cfg.paths), "fail"))
+    assert len(texts) > 10 and sum(map(len, texts)) > 0.2e6
+    assert prepare_demo_data(tmp_path, RECIPE, max_mb=0.3) == cfg   # made once, then reused
