@@ -129,6 +129,10 @@ def test_indexed_resume_under_another_layout_matches_jsonl(corpus, indexed):
     summary = prepare_data(indexed, RECIPE)
     assert summary.kind == "indexed"
     assert summary.tokens == prepare_data(corpus, RECIPE).tokens
+    with build_sample_source(indexed, RECIPE, range(1)) as source:
+        source.vocab_size = 5   # as if the dataset came from a bigger tokenizer
+        with pytest.raises(DataError, match="made with another tokenizer"):
+            source.sample(0)
 
 
 class CountingTokenizer:

@@ -85,13 +85,25 @@ def _indexed_samples(cfg: DataConfig, recipe: Recipe, tokenizer: TextTokenizer) 
 
 
 class PackedSampleSource:
-    """A ``SampleSource`` computed in the calling process (indexed datasets: mmap reads)."""
+    """A ``SampleSource`` computed in the calling process (indexed datasets: mmap reads).
 
-    def __init__(self, packed: PackedSamples) -> None:
+    Each sample's ids are checked against the model's vocabulary, because a dataset
+    built with another tokenizer than ``--tokenizer`` would otherwise fail deep inside
+    the embedding lookup.
+    """
+
+    def __init__(self, packed: PackedSamples, vocab_size: int) -> None:
         self.packed = packed
+        self.vocab_size = vocab_size
 
     def sample(self, index: int) -> torch.Tensor:
-        return torch.from_numpy(self.packed.samples([index])[0].astype(np.int64))
+        row = self.packed.samples([index])[0]
+        if row.max() >= self.vocab_size:
+            raise DataError(
+                f"sample {index} holds token id {row.max()} but the model's vocab_size is "
+                f"{self.vocab_size}: the indexed dataset was made with another tokenizer than "
+                f"--tokenizer; rebuild it with tools/build_indexed_dataset.py")
+        return torch.from_numpy(row.astype(np.int64))
 
     def close(self) -> None:
         """Nothing runs in the background; present so every file-backed source closes alike."""
@@ -112,7 +124,8 @@ def build_sample_source(cfg: DataConfig, recipe: Recipe, indices: Iterable[int])
         return SyntheticTokens(recipe.model.vocab_size, recipe.model.seq_length,
                                recipe.training.seed)
     if cfg.kind == "indexed":
-        return PackedSampleSource(_indexed_samples(cfg, recipe, validate_data_config(cfg, recipe)))
+        return PackedSampleSource(_indexed_samples(cfg, recipe, validate_data_config(cfg, recipe)),
+                                  recipe.model.vocab_size)
     summary = prepare_data(cfg, recipe)
     spec = JsonlSpec(summary.index_path, str(Path(cfg.tokenizer).resolve()),
                      recipe.model.seq_length, recipe.training.seed, cfg.shuffle)
