@@ -9,8 +9,8 @@ One concern per module, lowest first (each imports only modules above it):
   re-import the training script) and the pool that feeds them.
 - ``doc_index``: the cached index of document offsets and token counts.
 - ``packing``: the sample definition (documents joined by EOS, cut into samples).
-- ``indexed``: Megatron ``.bin``/``.idx`` datasets (read and build).
 - ``tasks``: what the background workers compute for training.
+- ``indexed``: Megatron ``.bin``/``.idx`` datasets (read and build).
 - ``prefetch``: the training-side source that stays ahead of the loop.
 - ``config``: ``DataConfig`` and its command-line flags.
 - ``source``: ``prepare_data`` and ``build_sample_source``, the runtime's entry points.
