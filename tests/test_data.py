@@ -20,6 +20,7 @@ import torch
 
 from elastor_mcore.cli import main as cli_main
 from elastor_mcore.data import pipeline_micro_batches
+from elastor_mcore.datasets import doc_index
 from elastor_mcore.datasets.config import (DataConfig, add_data_args, data_config_from_args,
                                            validate_data_config)
 from elastor_mcore.datasets.corpus import iter_texts, read_text, resolve_corpus
@@ -207,7 +208,7 @@ def test_shuffle_permutes_documents_per_epoch_deterministically(corpus):
     assert _documents_of(a, range(n)) == set(range(index.num_documents))
 
 
-def test_malformed_lines_are_reported_with_file_and_line(tmp_path, corpus, caplog):
+def test_malformed_lines_are_reported_with_file_and_line(tmp_path, corpus, caplog, monkeypatch):
     directory = tmp_path / "bad"
     directory.mkdir()
     good = Path(corpus.paths[0]) / "part-0.jsonl"
@@ -229,6 +230,16 @@ def test_malformed_lines_are_reported_with_file_and_line(tmp_path, corpus, caplo
         summary = prepare_data(skip, RECIPE)
     assert f"{a}:3:" in caplog.text and summary.documents == len(lines) - 1 - 2
     assert not summary.index_built   # the failed run already cached the index
+
+    # Scanning in many small byte ranges (as in parallel) finds the same documents and
+    # the same line numbers: a line belongs to the range its first byte is in.
+    whole = load_index(summary.index_path)
+    monkeypatch.setattr(doc_index, "SCAN_BYTES", 300)
+    pieces = load_index(prepare_data(
+        DataConfig(**{**skip.__dict__, "cache_dir": str(tmp_path / "cache2")}), RECIPE).index_path)
+    assert pieces.malformed == whole.malformed
+    for name in ("file_ids", "offsets", "token_counts"):
+        assert np.array_equal(getattr(pieces, name), getattr(whole, name))
 
 
 def test_bad_configurations_fail_before_any_worker_starts(tmp_path, corpus):
