@@ -15,6 +15,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from elastor_mcore import checkpoint
+from elastor_mcore.checkpointing import (
+    check_resumable, chunk_policy, describe_load, manifest_fields, restore_non_tensor_state,
+    state_shards)
 from elastor_mcore.data import SampleSource, SyntheticTokens, pipeline_micro_batches
 from elastor_mcore.grad_sync import GradientSynchronizer
 from elastor_mcore.groups import GroupCache, RankGroups, build_groups, install
@@ -45,6 +49,12 @@ class RunConfig:
     """Called on the reporting rank (the lowest active rank) after every step."""
     source: SampleSource | None = None
     """Training samples; defaults to the recipe's synthetic tokens."""
+    save_dir: str | None = None
+    """Checkpoint root; a step is saved every ``save_interval`` steps and at the end."""
+    save_interval: int = 0
+    keep_checkpoints: int = 2
+    load_dir: str | None = None
+    """Resume from the latest committed step under this root (any layout saved it)."""
 
 
 def device_for_rank() -> torch.device:
@@ -168,11 +178,43 @@ def train_steps(runner: StageRunner, source: SampleSource, steps: range,
     return metrics
 
 
+def resume(runner: StageRunner, load_dir: str, seed: int) -> int:
+    """Load the latest committed step into this rank's state; returns that step."""
+    reader = checkpoint.open(load_dir)
+    path, manifest = reader.path, reader.manifest
+    check_resumable(manifest, runner.recipe, seed)
+    checkpoint.load(path, state_shards(runner.model, runner.optimizer),
+                    group=runner.groups.active)
+    restore_non_tensor_state(manifest, runner.optimizer)
+    log.info(describe_load(path, manifest, runner.groups.layout))
+    return manifest.step
+
+
+def save(runner: StageRunner, cfg: RunConfig, step: int) -> None:
+    """Save the state after ``step`` steps (synchronous, committed on return)."""
+    checkpoint.save(
+        cfg.save_dir, step, state_shards(runner.model, runner.optimizer),
+        manifest_fields(cfg.recipe, cfg.layout, step, cfg.seed, runner.optimizer),
+        group=runner.groups.active, keep=cfg.keep_checkpoints,
+        chunking=chunk_policy(cfg.recipe))
+
+
 def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
-    """Set up this rank for ``cfg.layout`` and train ``cfg.steps`` steps."""
+    """Set up this rank for ``cfg.layout``, resume if asked, train until step
+    ``cfg.steps`` and save every ``cfg.save_interval`` steps."""
     runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache or GroupCache())
     if runner is None:
         return []
+    start = resume(runner, cfg.load_dir, cfg.seed) if cfg.load_dir else 0
+    if cfg.save_dir and runner.groups.rank == min(cfg.layout.ranks):
+        checkpoint.remove_stale(cfg.save_dir)
     model_cfg = cfg.recipe.model
     source = cfg.source or SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
-    return train_steps(runner, source, range(cfg.steps), cfg.on_step)
+    metrics = []
+    for step in range(start, cfg.steps):
+        metrics += train_steps(runner, source, range(step, step + 1), cfg.on_step)
+        done = step + 1
+        if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0)
+                             or done == cfg.steps):
+            save(runner, cfg, done)
+    return metrics

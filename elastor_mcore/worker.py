@@ -30,6 +30,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--metrics-out", default=None)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--save-interval", type=int, default=0)
+    parser.add_argument("--keep-checkpoints", type=int, default=2)
+    parser.add_argument("--load", default=None)
     return parser.parse_args(argv)
 
 
@@ -74,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     seed = recipe.training.seed if args.seed is None else args.seed
     printer = MetricsPrinter(args.metrics_out) if dist.get_rank() == min(layout.ranks) else None
     try:
-        train(RunConfig(recipe, layout, args.steps, seed, on_step=printer))
+        train(RunConfig(recipe, layout, args.steps, seed, on_step=printer,
+                        save_dir=args.save, save_interval=args.save_interval,
+                        keep_checkpoints=args.keep_checkpoints, load_dir=args.load))
     finally:
         if printer:
             printer.close()

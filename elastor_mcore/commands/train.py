@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from elastor_mcore.checkpoint import CheckpointError
 from elastor_mcore.launch import run_torchrun
 from elastor_mcore.layout import LayoutError, load_layout
 from elastor_mcore.recipe import RecipeError, load_recipe
@@ -25,14 +26,34 @@ def register(subparsers) -> None:
                         help="write JSON lines {step, loss, grad_norm, time_s} here")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to start (default: the layout's); extra ranks stay idle")
+    parser.add_argument("--save", default=None, metavar="DIR",
+                        help="checkpoint root: saves step_<N>/ every --save-interval steps "
+                             "and at the end")
+    parser.add_argument("--save-interval", type=int, default=0, metavar="K")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                        help="committed checkpoints to keep (default 2)")
+    parser.add_argument("--load", default=None, metavar="DIR",
+                        help="resume from the latest committed step under DIR, under the "
+                             "current layout (weights, optimizer, RNG, data position, step)")
     parser.set_defaults(func=run)
+
+
+def check_resume_source(load_dir: str, recipe, seed: int) -> None:
+    """Fail before any process starts when --load cannot be resumed from."""
+    from elastor_mcore import checkpoint
+    from elastor_mcore.checkpointing import check_resumable
+
+    check_resumable(checkpoint.open(load_dir).manifest, recipe, seed)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         recipe = load_recipe(args.recipe)
         layout = load_layout(args.layout, recipe)
-    except (RecipeError, LayoutError) as exc:
+        seed = recipe.training.seed if args.seed is None else args.seed
+        if args.load:
+            check_resume_source(args.load, recipe, seed)
+    except (RecipeError, LayoutError, CheckpointError) as exc:
         print(f"elastor train: {exc}", file=sys.stderr)
         return 2
     if args.steps <= 0:
@@ -51,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
         worker_args += ["--seed", str(args.seed)]
     if args.metrics_out:
         worker_args += ["--metrics-out", args.metrics_out]
+    if args.save:
+        worker_args += ["--save", args.save, "--save-interval", str(args.save_interval),
+                        "--keep-checkpoints", str(args.keep_checkpoints)]
+    if args.load:
+        worker_args += ["--load", args.load]
     result = run_torchrun(world, "elastor_mcore.worker", worker_args)
     if result.returncode:
         print(f"elastor train: a rank failed (exit code {result.returncode}); its error is "
