@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from elastor_mcore.datasets.config import DataConfig  # noqa: E402
 from elastor_mcore.datasets.corpus import iter_texts, resolve_corpus  # noqa: E402
 from elastor_mcore.datasets.doc_index import CACHE_DIR_NAME, load_index  # noqa: E402
+from elastor_mcore.datasets.packing import PackingPlan  # noqa: E402
 from elastor_mcore.datasets.source import (build_sample_source, pipeline_sample_indices,  # noqa: E402
                                            prepare_data)
 from elastor_mcore.datasets.stdlib_corpus import write_stdlib_corpus  # noqa: E402
@@ -142,7 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     step = int(0.9 * summary.samples_per_epoch) // G
     tokens_before = step * G * args.seq_length
     began = time.monotonic()
-    indices = pipeline_sample_indices(layout, 0, G, 1, step, step + 2)
+    plan = PackingPlan(load_index(prepare_data(cfg, recipe).index_path).token_counts,
+                       args.seq_length, recipe.training.seed, False)
+    needed = {doc for i in range(step * G, step * G + G) for doc, _, _ in plan.pieces(i)}
+    locate_seconds = time.monotonic() - began
+    began = time.monotonic()
+    indices = pipeline_sample_indices(layout, 0, G, 1, step, step + 1)
     with build_sample_source(cfg, recipe, indices) as source:
         batch = [source.sample(i) for i in range(step * G, step * G + G)]
         resume_seconds = time.monotonic() - began
@@ -151,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
                                           args.seq_length, recipe.training.seed, False))
     same = all((b.numpy() == row).all() for b, row in
                zip(batch, direct.samples(range(step * G, step * G + G))))
-    index = load_index(summary.index_path)
     retokenize = tokens_before / index_rate
     print(f"resume at step {step} (sample {step * G}, token {tokens_before:,} of "
-          f"{index.num_tokens:,}): first global batch in {resume_seconds:.2f} s, "
-          f"{documents} documents tokenised; re-tokenising up to there would take "
+          f"{summary.tokens:,}): first global batch in {resume_seconds:.2f} s, "
+          f"{documents} documents tokenised ({len(needed)} needed; locating them from the "
+          f"cached index took {locate_seconds * 1e3:.0f} ms); re-tokenising up to there would take "
           f"~{retokenize:.0f} s at the index build's rate; batch matches direct packing: {same}")
 
     figures = {"corpus_mb": corpus_mb, "documents": summary.documents, "tokens": summary.tokens,
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                "steps_waited_after_warmup": waited_steps,
                "worker_tokens_per_s": stats.tokens_per_worker_second,
                "consumed_tokens_per_s": consumed_rate, "resume_step": step,
-               "resume_first_batch_s": resume_seconds, "resume_documents_tokenised": documents,
+               "resume_locate_s": locate_seconds, "resume_first_batch_s": resume_seconds, "resume_documents_tokenised": documents,
                "retokenise_estimate_s": retokenize, "resume_batch_matches": bool(same),
                "load_average": os.getloadavg()[0]}
     if args.json_out:

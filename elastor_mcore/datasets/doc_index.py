@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 INDEX_VERSION = 1
 CACHE_DIR_NAME = ".elastor-index"
 # Bytes of corpus per scan task: big enough to amortise a task, small enough to balance.
-SCAN_BYTES = 4 << 20
+SCAN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
