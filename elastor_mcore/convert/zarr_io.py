@@ -1,0 +1,69 @@
+"""Write an elastor checkpoint from one process, one whole tensor at a time.
+
+The collective writer (``checkpoint.write_checkpoint``) takes every shard at once;
+a converter holds one tensor at a time instead. This module plans the arrays up
+front from shapes alone, writes each tensor as it arrives, and commits through the
+checkpoint writer's own preparation and commit steps, so the result is an ordinary
+committed step (manifest last, atomic rename).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy, Manifest, WritePlan
+from elastor_mcore.checkpoint.format import choose_entry, tmp_name
+from elastor_mcore.checkpoint.store import numpy_view, open_arrays
+from elastor_mcore.checkpoint.writer import _commit, _prepare
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, name)``: called after each tensor a converter moves."""
+
+
+class StreamingZarrWriter:
+    """A checkpoint at ``path`` whose tensors (key -> (shape, dtype)) are declared
+    up front and then written whole, one by one; ``commit`` makes it visible."""
+
+    def __init__(self, path: str | os.PathLike, tensors: dict[str, tuple[tuple[int, ...], str]],
+                 *, step: int = 0, manifest_extra: dict[str, Any] | None = None,
+                 chunking: ChunkPolicy | None = None) -> None:
+        self.path = Path(path)
+        self.tmp = self.path.parent / tmp_name(self.path.name)
+        self.step, self.manifest_extra = step, manifest_extra
+        policy = chunking or ChunkPolicy()
+        self.entries = {key: choose_entry(shape, dtype, [[0, n] for n in shape], policy)
+                        for key, (shape, dtype) in tensors.items()}
+        self.written: set[str] = set()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        Manifest.build(step, {}, 1, manifest_extra).to_json()  # fail before any write
+        _prepare(self.tmp, WritePlan(self.entries, []), clean_root=False)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        entry = self.entries.get(key)
+        if entry is None:
+            raise CheckpointError(f"tensor {key} was not declared for {self.path}")
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if tuple(tensor.shape) != entry.shape or dtype != entry.dtype:
+            raise CheckpointError(
+                f"tensor {key}: declared {entry.shape} {entry.dtype}, got "
+                f"{tuple(tensor.shape)} {dtype}")
+        array = open_arrays(self.tmp, {key: entry}, create=False)[key]
+        array.write(numpy_view(tensor.detach().cpu().contiguous())).result()
+        self.written.add(key)
+
+    def commit(self) -> Path:
+        missing = sorted(set(self.entries) - self.written)
+        if missing:
+            raise CheckpointError(f"{self.path}: tensors {missing[:5]} were declared but "
+                                  f"never written ({len(missing)} in all)")
+        _commit(self.tmp, self.path, Manifest.build(self.step, self.entries, 1,
+                                                    self.manifest_extra))
+        log.info("committed %s (%d tensors)", self.path, len(self.entries))
+        return self.path

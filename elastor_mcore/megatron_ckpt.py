@@ -1,0 +1,188 @@
+"""Megatron-LM checkpoints in the elastor zarr format, behind the signatures of
+``megatron.core.dist_checkpointing.save/load``.
+
+Megatron-LM hands ``dist_checkpointing.save`` one state dict holding ShardedTensors
+(model, optimizer), ShardedObjects (RNG, extra state) and plain values (args,
+iteration, scheduler). Here each goes where it fits:
+
+* ShardedTensors: the elastor zarr checkpoint (``checkpoint.save_sharded_state_dict``),
+  every global tensor once, loadable by any layout;
+* plain values: ``common.pt`` written by rank 0, and ShardedObjects: one
+  ``megatron_objects/<unique_key>.pt`` per object written by its main replica, both
+  ``torch.save`` files as mcore's own torch_dist format stores them (Megatron's args
+  hold dtypes and callables, which JSON cannot);
+* ``metadata.json`` last, with ``sharded_backend: elastor_zarr``: Megatron-LM's format
+  detection sees a distributed checkpoint, and the patched ``load`` tells it from
+  torch_dist by this marker. A directory without it never loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastor_mcore.checkpoint import (
+    ChunkPolicy, comm, load_sharded_state_dict, save_sharded_state_dict)
+
+log = logging.getLogger(__name__)
+
+BACKEND = "elastor_zarr"
+BACKEND_VERSION = 1
+CONFIG_FILE = "metadata.json"
+"""mcore's ``CONFIG_FNAME``: the file its format detection looks for."""
+COMMON_FILE = "common.pt"
+OBJECTS_DIR = "megatron_objects"
+CONTENT_METADATA_KEY = "content_metadata"
+_ITER_RE = re.compile(r"^iter_(\d+)$")
+
+
+@dataclass(frozen=True)
+class ZarrSaveSettings:
+    """How Megatron-LM's saves are written."""
+
+    chunking: ChunkPolicy | None = None
+    """Inner chunking; pass the TP degrees future layouts may use as ``split_sizes``."""
+    keep: int = 0
+    """Keep this many newest zarr ``iter_*`` checkpoints beside each save; 0 keeps all."""
+    manifest_extra: dict[str, Any] = field(default_factory=dict)
+    """Recorded in every manifest (e.g. ``layout`` and ``model``)."""
+
+
+def backend_of(checkpoint_dir: str | os.PathLike) -> str | None:
+    """The ``sharded_backend`` named by ``metadata.json``, or None without one."""
+    try:
+        return json.loads((Path(checkpoint_dir) / CONFIG_FILE).read_text()).get(
+            "sharded_backend")
+    except (FileNotFoundError, NotADirectoryError, ValueError, AttributeError):
+        return None
+
+
+def is_zarr_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
+    return backend_of(checkpoint_dir) == BACKEND
+
+
+def save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
+         settings: ZarrSaveSettings, *, content_metadata: dict | None = None) -> None:
+    """Save a Megatron-LM state dict into ``checkpoint_dir`` (collective, every rank).
+
+    The directory is replaced atomically; ``metadata.json`` is written last.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import (
+        extract_matching_values, nested_values)
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
+    from megatron.core.dist_checkpointing.utils import (
+        extract_nonpersistent, extract_sharded_base)
+
+    path = Path(checkpoint_dir)
+    if content_metadata is not None:
+        sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
+    _, persistent = extract_nonpersistent(sharded_state_dict)
+    sharded, common = extract_sharded_base(persistent)
+    objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
+    step = common.get("iteration", 0)
+    step = step if isinstance(step, int) and step >= 0 else 0
+    save_sharded_state_dict(tensors, path, step=step, manifest_extra=settings.manifest_extra,
+                            chunking=settings.chunking)
+
+    error = None
+    try:
+        if comm.is_coordinator():
+            _save_torch(common, path / COMMON_FILE)
+        for obj in nested_values(objects):
+            if is_main_replica(obj.replica_id):
+                _save_torch(obj.data, _object_file(path, obj.unique_key))
+    except OSError as exc:
+        error = exc
+    comm.agree(error, f"saving Megatron-LM state to {path}")
+
+    error = None
+    if comm.is_coordinator():
+        try:
+            write_config(path)
+            if settings.keep:
+                prune(path.parent, settings.keep, path)
+        except OSError as exc:
+            error = exc
+    comm.agree(error, f"committing {path}")
+    log.info("saved Megatron-LM checkpoint %s in the elastor zarr format", path)
+
+
+def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
+    """Load into ``sharded_state_dict`` (any layout) and return the full state dict:
+    common values, ShardedObjects and tensors, factories merged."""
+    from megatron.core.dist_checkpointing.dict_utils import (
+        dict_list_map_inplace, extract_matching_values, merge)
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    path = Path(checkpoint_dir)
+    common = load_common_state_dict(path)
+    objects, tensors = extract_matching_values(
+        sharded_state_dict, lambda v: isinstance(v, ShardedObject))
+
+    def read_object(obj):
+        file = _object_file(path, obj.unique_key)
+        if file.is_file():
+            return torch.load(file, weights_only=False)
+        log.warning("%s has no ShardedObject %s (saved under another layout?); keeping its "
+                    "current value", path, obj.unique_key)
+        return obj.data
+
+    dict_list_map_inplace(lambda v: read_object(v) if isinstance(v, ShardedObject) else v,
+                          objects)
+    loaded = load_sharded_state_dict(tensors, path)
+    merge(loaded, objects)
+    merge(common, loaded)
+    return common
+
+
+def load_common_state_dict(checkpoint_dir: str | os.PathLike) -> dict:
+    """Megatron-LM's plain values (args, iteration, scheduler) of a zarr checkpoint."""
+    file = Path(checkpoint_dir) / COMMON_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{file} is missing: {checkpoint_dir} is not a complete Megatron-LM zarr "
+            f"checkpoint; load another iteration")
+    return torch.load(file, weights_only=False)
+
+
+def write_config(checkpoint_dir: str | os.PathLike) -> None:
+    """Mark ``checkpoint_dir`` as a complete elastor zarr checkpoint (the last write)."""
+    path = Path(checkpoint_dir)
+    tmp = path / f".tmp_{CONFIG_FILE}"
+    tmp.write_text(json.dumps({"sharded_backend": BACKEND,
+                               "sharded_backend_version": BACKEND_VERSION,
+                               "common_backend": "torch", "common_backend_version": 1}))
+    os.replace(tmp, path / CONFIG_FILE)
+
+
+def prune(save_dir: Path, keep: int, just_saved: Path) -> None:
+    """Delete all but the ``keep`` newest zarr ``iter_*`` checkpoints of ``save_dir``."""
+    found = sorted((int(m.group(1)), entry) for entry in save_dir.iterdir()
+                   if (m := _ITER_RE.match(entry.name)) and is_zarr_checkpoint(entry))
+    for _, entry in found[:-keep]:
+        if entry.resolve() == just_saved.resolve():
+            continue
+        doomed = entry.parent / f".tmp_{entry.name}.deleting"
+        os.rename(entry, doomed)  # atomic: never a half-deleted iter_N
+        shutil.rmtree(doomed, ignore_errors=True)
+        log.info("pruned %s (keeping %d checkpoints)", entry, keep)
+
+
+def _object_file(path: Path, unique_key: str) -> Path:
+    return path / OBJECTS_DIR / f"{unique_key}.pt"
+
+
+def _save_torch(value: Any, file: Path) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f".tmp_{file.name}")
+    torch.save(value, tmp)
+    os.replace(tmp, file)
+
