@@ -1,10 +1,15 @@
 """Save: every rank writes its share of the files, then rank 0 commits.
 
-Order of a save (each arrow is one ``agree``, so a failure anywhere stops every rank):
-validate -> gather shard boxes, plan -> rank 0 creates ``.tmp_<name>/`` and the array
-metadata -> every rank writes its units (TensorStore fsyncs each file) -> rank 0
-writes ``manifest.json`` last, renames the directory into place, moves ``latest`` and
-prunes old steps -> return. A crash at any point leaves the previous steps loadable.
+Order of a synchronous save (each arrow is one ``agree``, so a failure anywhere stops
+every rank): validate -> gather shard boxes, plan -> rank 0 creates ``.tmp_<name>/``
+-> every rank writes its units while rank 0 also writes the array metadata
+(TensorStore fsyncs each file) -> rank 0 writes ``manifest.json`` last, renames the
+directory into place, moves ``latest`` and prunes old steps -> return. A crash at any
+point leaves the previous steps loadable.
+
+The steps are separate functions because the asynchronous save
+(``checkpoint.background``) runs the same ones, split between the caller and a
+background thread.
 """
 
 from __future__ import annotations
@@ -17,15 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
 from elastor_mcore.checkpoint import comm
 from elastor_mcore.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, ChunkPolicy, Manifest,
-    committed_steps, step_dir_name, tmp_name)
-from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
+    TensorEntry, committed_steps, step_dir_name, tmp_name)
+from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, WriteUnit, build_plan
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.sharding import local_view
 
 log = logging.getLogger(__name__)
+
+Sources = Sequence[tuple[WriteUnit, torch.Tensor]]
+"""The units one rank writes, each with the tensor (view or staged copy) of its box."""
 
 
 @dataclass(frozen=True)
@@ -46,18 +56,11 @@ def save(root: str | os.PathLike, step: int, shards: Sequence[LocalShard],
     may overlap. Keeps the ``keep`` newest committed steps (and always this one).
     Returns once the step is committed on every rank.
     """
-    if not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
-    if keep < 1:
-        raise CheckpointError(f"keep={keep}: at least the step just saved must be kept")
+    check_step(step, keep)
     root = Path(root)
-
-    def commit_pointer() -> None:
-        _write_durably(root / LATEST, step_dir_name(step) + "\n")
-        _prune(root, step, keep)
-
     return write_checkpoint(root / step_dir_name(step), step, shards, manifest_extra,
-                            group, chunking, clean_root=True, on_commit=commit_pointer)
+                            group, chunking, clean_root=True,
+                            on_commit=lambda: point_latest(root, step, keep))
 
 
 def write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalShard],
@@ -73,10 +76,7 @@ def write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalS
 
     error = None
     try:
-        for shard in shards:
-            shard.validate()
-        if coordinator:
-            Manifest.build(step, {}, 1, manifest_extra).to_json()
+        validate(shards, step, manifest_extra, coordinator)
     except CheckpointError as exc:
         error = exc
     comm.agree(error, what, group)
@@ -87,14 +87,15 @@ def write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalS
     error = None
     if coordinator:
         try:
-            _prepare(tmp, plan, clean_root)
+            open_tmp(tmp, clean_root)
         except Exception as exc:
             error = exc
     comm.agree(error, what, group)
 
     error = None
     try:
-        _write_units(tmp, plan, shards)
+        write_share(tmp, plan, unit_sources(plan.units_of(comm.global_rank()), shards),
+                    coordinator)
     except Exception as exc:
         error = exc
     comm.agree(error, what, group)
@@ -102,17 +103,67 @@ def write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalS
     error = None
     if coordinator:
         try:
-            writers = len({u.writer for u in plan.units})
-            manifest = Manifest.build(step, plan.entries, writers, manifest_extra)
-            _commit(tmp, path, manifest)
-            if on_commit is not None:
-                on_commit()
+            commit(tmp, path, step, plan, manifest_extra, on_commit)
         except Exception as exc:
             error = exc
     comm.agree(error, what, group)
+    return SaveResult(path, step, plan)
+
+
+def check_step(step: int, keep: int) -> None:
+    if not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"step must be a non-negative integer, got {step!r}")
+    if keep < 1:
+        raise CheckpointError(f"keep={keep}: at least the step just saved must be kept")
+
+
+def validate(shards: Sequence[LocalShard], step: int,
+             manifest_extra: dict[str, Any] | None, coordinator: bool) -> None:
+    """Raise ``CheckpointError`` before any write if a shard or the manifest cannot be
+    stored (the coordinator checks the manifest fields)."""
+    for shard in shards:
+        shard.validate()
+    if coordinator:
+        Manifest.build(step, {}, 1, manifest_extra).to_json()
+
+
+def unit_sources(units: Sequence[WriteUnit], shards: Sequence[LocalShard]) -> Sources:
+    """Each unit with a view of its box in the local shard that holds it."""
+    by_key: dict[str, list[LocalShard]] = {}
+    for shard in shards:
+        by_key.setdefault(shard.key, []).append(shard)
+    sources = []
+    for unit in units:
+        shard = next(s for s in by_key[unit.key] if s.box.contains(unit.box))
+        sources.append((unit, local_view(shard.data, shard.box, unit.box)))
+    return sources
+
+
+def write_share(tmp: Path, plan: WritePlan, sources: Sources, coordinator: bool) -> None:
+    """One rank's part of the data: the coordinator also writes the group and array
+    metadata. The others need not wait for it: they open the arrays with
+    ``assume_metadata`` and TensorStore creates the chunk directories."""
+    if coordinator:
+        _create_metadata(tmp, plan.entries)
+    _write_units(tmp, plan.entries, sources)
+
+
+def commit(tmp: Path, path: Path, step: int, plan: WritePlan,
+           manifest_extra: dict[str, Any] | None,
+           on_commit: Callable[[], None] | None) -> None:
+    """Coordinator, once every rank's data is durable: manifest, rename, ``on_commit``."""
+    writers = len({u.writer for u in plan.units})
+    _commit(tmp, path, Manifest.build(step, plan.entries, writers, manifest_extra))
+    if on_commit is not None:
+        on_commit()
     log.info("committed %s (%d tensors, %d bytes)", path, len(plan.entries),
              sum(e.nbytes for e in plan.entries.values()))
-    return SaveResult(path, step, plan)
+
+
+def point_latest(root: Path, step: int, keep: int) -> None:
+    """Move ``latest`` to the step just committed and prune beyond ``keep``."""
+    write_durably(root / LATEST, step_dir_name(step) + "\n")
+    _prune(root, step, keep)
 
 
 def remove_stale(root: str | os.PathLike) -> None:
@@ -122,50 +173,54 @@ def remove_stale(root: str | os.PathLike) -> None:
         for entry in root.iterdir():
             if entry.name.startswith(TMP_PREFIX):
                 log.info("removing stale %s", entry)
-                _remove(entry)
+                remove(entry)
 
 
-def _prepare(tmp: Path, plan: WritePlan, clean_root: bool) -> None:
+def open_tmp(tmp: Path, clean_root: bool) -> None:
+    """Coordinator: a fresh, empty ``tmp`` directory for one save (with
+    ``clean_root``, every stale ``.tmp_*`` beside it is removed first)."""
     if clean_root:
         remove_stale(tmp.parent)
     elif tmp.exists():
-        _remove(tmp)
+        remove(tmp)
     tmp.mkdir(parents=True)
+
+
+def _create_metadata(tmp: Path, entries: dict[str, TensorEntry]) -> None:
     group_meta = {"zarr_format": 3, "node_type": "group",
                   "attributes": {"elastor_format_version": FORMAT_VERSION}}
     (tmp / "zarr.json").write_text(json.dumps(group_meta))
-    open_arrays(tmp, plan.entries, create=True)
+    open_arrays(tmp, entries, create=True)
 
 
-def _write_units(tmp: Path, plan: WritePlan, shards: Sequence[LocalShard]) -> None:
+def _prepare(tmp: Path, plan: WritePlan, clean_root: bool) -> None:
+    """A fresh ``tmp`` with every array's metadata (for one-process writers)."""
+    open_tmp(tmp, clean_root)
+    _create_metadata(tmp, plan.entries)
+
+
+def _write_units(tmp: Path, entries: dict[str, TensorEntry], sources: Sources) -> None:
     """Issue every write of this rank at once, then wait for all of them."""
-    mine = plan.units_of(comm.global_rank())
-    if not mine:
+    if not sources:
         return
-    arrays = open_arrays(tmp, {u.key: plan.entries[u.key] for u in mine}, create=False)
-    by_key: dict[str, list[LocalShard]] = {}
-    for shard in shards:
-        by_key.setdefault(shard.key, []).append(shard)
-    futures = []
-    for unit in mine:
-        shard = next(s for s in by_key[unit.key] if s.box.contains(unit.box))
-        source = numpy_view(local_view(shard.data, shard.box, unit.box))
-        futures.append((unit.key, arrays[unit.key][unit.box.slices()].write(source).commit))
+    arrays = open_arrays(tmp, {u.key: entries[u.key] for u, _ in sources}, create=False)
+    futures = [(unit.key, arrays[unit.key][unit.box.slices()].write(numpy_view(data)).commit)
+               for unit, data in sources]
     wait_all(futures, "write")
 
 
 def _commit(tmp: Path, path: Path, manifest: Manifest) -> None:
     for directory, _, _ in os.walk(tmp):
-        _fsync_dir(Path(directory))
-    _write_durably(tmp / MANIFEST, manifest.to_json())
+        fsync_dir(Path(directory))
+    write_durably(tmp / MANIFEST, manifest.to_json())
     replaced = None
     if path.exists():
         replaced = path.parent / tmp_name(path.name + ".replaced")
         os.rename(path, replaced)
     os.rename(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     if replaced is not None:
-        _remove(replaced)
+        remove(replaced)
 
 
 def _prune(root: Path, just_saved: int, keep: int) -> None:
@@ -176,11 +231,11 @@ def _prune(root: Path, just_saved: int, keep: int) -> None:
             name = step_dir_name(step)
             doomed = root / tmp_name(name + ".deleting")
             os.rename(root / name, doomed)  # atomic: never a half-deleted step_N
-            _remove(doomed)
+            remove(doomed)
             log.info("pruned %s", root / name)
 
 
-def _write_durably(path: Path, text: str) -> None:
+def write_durably(path: Path, text: str) -> None:
     """Write a small file so that it is either absent, or present and complete."""
     tmp = path.parent / tmp_name(path.name)
     with open(tmp, "w") as f:
@@ -188,10 +243,10 @@ def _write_durably(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -199,7 +254,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _remove(path: Path) -> None:
+def remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
     else:

@@ -1,0 +1,200 @@
+"""The saves of one training run: synchronous or asynchronous, with stated policies
+for a save that falls due while another is still being written and for a save that
+fails.
+
+An asynchronous ``save`` blocks only for a few small collectives and a copy of the
+rank's units into reused host buffers (``staging``); the writes and the commit run in
+the background (``background``). At most one save is in flight. It is finished (its
+error, if any, raised or logged on every rank, by ``SavePolicy.on_error``) by the
+next ``save``, by ``wait`` or by ``close``, which every rank of the group calls
+together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+from elastor_mcore.checkpoint import comm, writer
+from elastor_mcore.checkpoint.background import BackgroundSave, WriteJob, discard
+from elastor_mcore.checkpoint.format import (
+    CheckpointError, ChunkPolicy, latest_step, step_dir_name, tmp_name)
+from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
+from elastor_mcore.checkpoint.staging import HostStaging
+from elastor_mcore.checkpoint.writer import (
+    check_step, open_tmp, point_latest, unit_sources, validate)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """How a run saves. Defaults: asynchronous, wait for a busy save, stop on error."""
+
+    asynchronous: bool = True
+    """Block only for the copy into host buffers; write and commit in the background."""
+    when_busy: Literal["wait", "skip"] = "wait"
+    """A save due while the previous one is still being written: ``wait`` for it to
+    commit, or ``skip`` the new one (logged). Either way at most one is in flight."""
+    on_error: Literal["stop", "continue"] = "stop"
+    """A failed save (full disk, I/O error): raise ``CheckpointError`` on every rank,
+    or log it and keep training. The previous committed step stays loadable."""
+    keep: int = 2
+    """Committed steps to keep."""
+    commit_timeout_s: float = 1800.0
+    """How long the coordinator waits for every writer's data before giving up."""
+
+    def __post_init__(self) -> None:
+        if self.when_busy not in ("wait", "skip"):
+            raise CheckpointError(f"SavePolicy.when_busy must be 'wait' or 'skip', got "
+                                  f"{self.when_busy!r}")
+        if self.on_error not in ("stop", "continue"):
+            raise CheckpointError(f"SavePolicy.on_error must be 'stop' or 'continue', got "
+                                  f"{self.on_error!r}")
+        check_step(0, self.keep)
+        if self.commit_timeout_s <= 0:
+            raise CheckpointError(f"SavePolicy.commit_timeout_s must be positive, got "
+                                  f"{self.commit_timeout_s}")
+
+
+@dataclass(frozen=True)
+class SaveReport:
+    """What one ``save`` call did, for the step log."""
+
+    step: int
+    block_s: float
+    """Time the caller was blocked (the whole save when synchronous)."""
+    skipped: bool = False
+    """Not saved: the previous save was still running (``when_busy='skip'``)."""
+
+
+class CheckpointManager:
+    """Saves ``root/step_<N>`` for every rank of ``group`` (default: the world)."""
+
+    def __init__(self, root: str | os.PathLike, group=None,
+                 chunking: ChunkPolicy | None = None,
+                 policy: SavePolicy = SavePolicy()) -> None:
+        self.root = Path(root)
+        self.group = group
+        self.chunking = chunking or ChunkPolicy()
+        self.policy = policy
+        self.failures: list[CheckpointError] = []
+        """Failed saves (with ``on_error='continue'``), oldest first."""
+        self._staging = HostStaging()
+        self._plan_cache: tuple[list[str], WritePlan] | None = None
+        self._job: BackgroundSave | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether this rank's part of a save is still running in the background."""
+        return self._job is not None and self._job.running()
+
+    def save(self, step: int, shards: Sequence[LocalShard],
+             manifest_extra: dict[str, Any] | None = None) -> SaveReport:
+        """Save the state after ``step`` steps (every rank of the group, together).
+
+        Asynchronous: returns once ``shards`` are copied; the caller may then change
+        them. Synchronous: returns once the step is committed.
+        """
+        start = time.perf_counter()
+        check_step(step, self.policy.keep)
+        if not self.policy.asynchronous:
+            try:
+                writer.save(self.root, step, shards, manifest_extra, self.group,
+                            self.policy.keep, self.chunking)
+            except CheckpointError as exc:
+                self._failed(exc, step)
+            return SaveReport(step, time.perf_counter() - start)
+        if self._job is not None:
+            if self.policy.when_busy == "skip" and any(comm.all_gather(self.in_flight,
+                                                                       self.group)):
+                log.warning("skipping the save of step %d: the save of step %d is still "
+                            "being written (when_busy='skip')", step, self._job.job.step)
+                return SaveReport(step, time.perf_counter() - start, skipped=True)
+            self._finish()
+        self._job = self._start(step, shards, manifest_extra)
+        return SaveReport(step, time.perf_counter() - start)
+
+    def wait(self) -> None:
+        """Finish the save in flight, if any (every rank of the group, together)."""
+        if self._job is not None:
+            self._finish()
+
+    def close(self) -> None:
+        self.wait()
+
+    def _start(self, step: int, shards: Sequence[LocalShard],
+               manifest_extra: dict[str, Any] | None) -> BackgroundSave | None:
+        """The blocking part: plan (cached), stage, open the temporary directory.
+        Bad shards raise; a file-system error is a failed save (``on_error``)."""
+        path = self.root / step_dir_name(step)
+        tmp = self.root / tmp_name(path.name)
+        what = f"checkpoint save of step {step} to {path}"
+        coordinator = comm.is_coordinator(self.group)
+        error = None
+        try:
+            validate(shards, step, manifest_extra, coordinator)
+        except CheckpointError as exc:
+            error = exc
+        comm.agree(error, what, self.group)
+        plan = self._plan(shards)
+        rank = comm.global_rank()
+        staged = self._staging.stage(unit_sources(plan.units_of(rank), shards))
+        error = None
+        if coordinator:
+            try:
+                open_tmp(tmp, clean_root=True)
+            except OSError as exc:
+                error = exc
+        try:
+            comm.agree(error, what, self.group)
+        except CheckpointError as exc:
+            self._failed(exc, step)
+            return None
+        keep, root = self.policy.keep, self.root
+        return BackgroundSave(WriteJob(
+            step=step, tmp=tmp, path=path, plan=plan, sources=staged, rank=rank,
+            coordinator=coordinator, manifest_extra=manifest_extra,
+            on_commit=lambda: point_latest(root, step, keep),
+            timeout_s=self.policy.commit_timeout_s))
+
+    def _plan(self, shards: Sequence[LocalShard]) -> WritePlan:
+        """The write plan; rebuilt (one gather of shard boxes) only when some rank's
+        shards changed geometry, which a run's fixed layout never does."""
+        infos = [s.info() for s in shards]
+        digest = hashlib.sha1(repr(infos).encode()).hexdigest()
+        digests = comm.all_gather(digest, self.group)
+        if self._plan_cache is not None and self._plan_cache[0] == digests:
+            return self._plan_cache[1]
+        plan = build_plan(comm.gather_infos(infos, self.group), self.chunking)
+        self._plan_cache = (digests, plan)
+        return plan
+
+    def _finish(self) -> None:
+        job, self._job = self._job, None
+        error = job.join()
+        try:
+            comm.agree(error, f"checkpoint save of step {job.job.step} to {job.job.path}",
+                       self.group)
+        except CheckpointError as exc:
+            if job.job.coordinator:
+                discard(job.job.tmp)  # every rank has joined: nobody writes there now
+            self._failed(exc, job.job.step)
+
+    def _failed(self, exc: CheckpointError, step: int) -> None:
+        """Apply ``on_error`` to a failed save, with the error every rank agreed on."""
+        previous = latest_step(self.root)
+        kept = (f"the previous checkpoint (step {previous}) is intact" if previous is not None
+                else "no earlier checkpoint exists")
+        hint = (" The file system is full: free space, lower the number of kept "
+                "checkpoints, or save elsewhere." if "No space left" in str(exc) else "")
+        error = CheckpointError(f"{exc}.{hint} Step {step} was not saved; {kept}.")
+        if self.policy.on_error == "stop":
+            raise error from exc
+        log.error("%s Training continues (on_error='continue').", error)
+        self.failures.append(error)
