@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = [
     "elastor_mcore.commands.train",
     "elastor_mcore.commands.tokenizer",
     "elastor_mcore.commands.inspect",
+    "elastor_mcore.commands.convert",
 ]
 
 
