@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -37,6 +37,8 @@ class StepMetrics:
     loss: float             # mean loss over every token of the global batch
     grad_norm: float        # global gradient norm before clipping
     time_s: float           # wall time of the step on the reporting rank
+    save_block_s: float | None = None  # time the save after this step blocked training
+    save_in_flight: bool = False       # a background save was running as the step began
 
 
 @dataclass
@@ -53,6 +55,12 @@ class RunConfig:
     """Checkpoint root; a step is saved every ``save_interval`` steps and at the end."""
     save_interval: int = 0
     keep_checkpoints: int = 2
+    async_save: bool = True
+    """Write checkpoints in the background; training blocks only for a host copy."""
+    save_when_busy: str = "wait"
+    """A save due while the previous one is still writing: "wait" or "skip"."""
+    on_save_error: str = "stop"
+    """A failed save (e.g. a full disk): "stop" the run or log it and "continue"."""
     load_dir: str | None = None
     """Resume from the latest committed step under this root (any layout saved it)."""
 
@@ -190,13 +198,19 @@ def resume(runner: StageRunner, load_dir: str, seed: int) -> int:
     return manifest.step
 
 
-def save(runner: StageRunner, cfg: RunConfig, step: int) -> None:
-    """Save the state after ``step`` steps (synchronous, committed on return)."""
-    checkpoint.save(
-        cfg.save_dir, step, state_shards(runner.model, runner.optimizer),
-        manifest_fields(cfg.recipe, cfg.layout, step, cfg.seed, runner.optimizer),
-        group=runner.groups.active, keep=cfg.keep_checkpoints,
-        chunking=chunk_policy(cfg.recipe))
+def checkpoint_manager(runner: StageRunner, cfg: RunConfig) -> checkpoint.CheckpointManager:
+    policy = checkpoint.SavePolicy(
+        asynchronous=cfg.async_save, when_busy=cfg.save_when_busy,
+        on_error=cfg.on_save_error, keep=cfg.keep_checkpoints)
+    return checkpoint.CheckpointManager(cfg.save_dir, group=runner.groups.active,
+                                        chunking=chunk_policy(cfg.recipe), policy=policy)
+
+
+def save(runner: StageRunner, cfg: RunConfig, saver: checkpoint.CheckpointManager,
+         step: int) -> checkpoint.SaveReport:
+    """Save the state after ``step`` steps (see ``SavePolicy`` for when it commits)."""
+    return saver.save(step, state_shards(runner.model, runner.optimizer),
+                      manifest_fields(cfg.recipe, cfg.layout, step, cfg.seed, runner.optimizer))
 
 
 def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
@@ -210,11 +224,22 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
         checkpoint.remove_stale(cfg.save_dir)
     model_cfg = cfg.recipe.model
     source = cfg.source or SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
+    saver = checkpoint_manager(runner, cfg) if cfg.save_dir else None
     metrics = []
     for step in range(start, cfg.steps):
-        metrics += train_steps(runner, source, range(step, step + 1), cfg.on_step)
+        in_flight = saver is not None and saver.in_flight
+        reported = train_steps(runner, source, range(step, step + 1))
         done = step + 1
-        if cfg.save_dir and ((cfg.save_interval and done % cfg.save_interval == 0)
-                             or done == cfg.steps):
-            save(runner, cfg, done)
+        block_s = None
+        if saver and ((cfg.save_interval and done % cfg.save_interval == 0)
+                      or done == cfg.steps):
+            report = save(runner, cfg, saver, done)
+            block_s = None if report.skipped else report.block_s
+        for m in reported:
+            m = replace(m, save_block_s=block_s, save_in_flight=in_flight)
+            metrics.append(m)
+            if cfg.on_step:
+                cfg.on_step(m)
+    if saver:
+        saver.close()
     return metrics

@@ -34,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-interval", type=int, default=0)
     parser.add_argument("--keep-checkpoints", type=int, default=2)
     parser.add_argument("--load", default=None)
+    parser.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--save-when-busy", choices=("wait", "skip"), default="wait")
+    parser.add_argument("--on-save-error", choices=("stop", "continue"), default="stop")
     return parser.parse_args(argv)
 
 
@@ -48,17 +51,38 @@ def init_distributed() -> None:
 
 
 class MetricsPrinter:
-    """Prints one line per step and appends JSON lines to ``--metrics-out``."""
+    """Prints one line per step and appends JSON lines to ``--metrics-out``.
+
+    Save figures: the time a save blocked training (``save 0.012s``) and, for a step
+    that began while a save was still being written in the background, its overhead
+    over the mean of the steps that ran without one (``bg-save +8%``).
+    """
 
     def __init__(self, path: str | None) -> None:
         self.file = open(path, "w") if path else None
+        self.quiet_time, self.quiet_steps = 0.0, 0
 
     def __call__(self, m: StepMetrics) -> None:
-        print(f"step {m.step:5d}  loss {m.loss:.6f}  grad_norm {m.grad_norm:.4f}  "
-              f"time {m.time_s:.3f}s", flush=True)
+        record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm,
+                  "time_s": m.time_s, "save_block_s": m.save_block_s,
+                  "save_in_flight": m.save_in_flight}
+        line = (f"step {m.step:5d}  loss {m.loss:.6f}  grad_norm {m.grad_norm:.4f}  "
+                f"time {m.time_s:.3f}s")
+        if m.save_in_flight:
+            if self.quiet_steps:
+                overhead = m.time_s / (self.quiet_time / self.quiet_steps) - 1
+                record["save_overhead"] = overhead
+                line += f"  bg-save {overhead:+.0%}"
+            else:
+                line += "  bg-save"
+        else:
+            self.quiet_time += m.time_s
+            self.quiet_steps += 1
+        if m.save_block_s is not None:
+            line += f"  save {m.save_block_s:.3f}s"
+        print(line, flush=True)
         if self.file:
-            self.file.write(json.dumps({"step": m.step, "loss": m.loss,
-                                        "grad_norm": m.grad_norm, "time_s": m.time_s}) + "\n")
+            self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
     def close(self) -> None:
@@ -80,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(RunConfig(recipe, layout, args.steps, seed, on_step=printer,
                         save_dir=args.save, save_interval=args.save_interval,
-                        keep_checkpoints=args.keep_checkpoints, load_dir=args.load))
+                        keep_checkpoints=args.keep_checkpoints, load_dir=args.load,
+                        async_save=args.async_save, save_when_busy=args.save_when_busy,
+                        on_save_error=args.on_save_error))
     finally:
         if printer:
             printer.close()

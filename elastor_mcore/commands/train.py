@@ -23,7 +23,8 @@ def register(subparsers) -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="override the recipe's seed")
     parser.add_argument("--metrics-out", default=None,
-                        help="write JSON lines {step, loss, grad_norm, time_s} here")
+                        help="write JSON lines {step, loss, grad_norm, time_s, save_block_s, "
+                             "save_in_flight} here")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to start (default: the layout's); extra ranks stay idle")
     parser.add_argument("--save", default=None, metavar="DIR",
@@ -32,6 +33,16 @@ def register(subparsers) -> None:
     parser.add_argument("--save-interval", type=int, default=0, metavar="K")
     parser.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
                         help="committed checkpoints to keep (default 2)")
+    parser.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True,
+                        help="write checkpoints in the background; training blocks only "
+                             "for a copy into host buffers (default: on)")
+    parser.add_argument("--save-when-busy", choices=("wait", "skip"), default="wait",
+                        help="a save due while the previous one is still being written: "
+                             "wait for it, or skip the new one (default: wait)")
+    parser.add_argument("--on-save-error", choices=("stop", "continue"), default="stop",
+                        help="a failed save (e.g. a full disk) stops the run, or is logged "
+                             "and training continues; the previous checkpoint stays "
+                             "loadable either way (default: stop)")
     parser.add_argument("--load", default=None, metavar="DIR",
                         help="resume from the latest committed step under DIR, under the "
                              "current layout (weights, optimizer, RNG, data position, step)")
@@ -74,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
         worker_args += ["--metrics-out", args.metrics_out]
     if args.save:
         worker_args += ["--save", args.save, "--save-interval", str(args.save_interval),
-                        "--keep-checkpoints", str(args.keep_checkpoints)]
+                        "--keep-checkpoints", str(args.keep_checkpoints),
+                        "--async-save" if args.async_save else "--no-async-save",
+                        "--save-when-busy", args.save_when_busy,
+                        "--on-save-error", args.on_save_error]
     if args.load:
         worker_args += ["--load", args.load]
     result = run_torchrun(world, "elastor_mcore.worker", worker_args)
