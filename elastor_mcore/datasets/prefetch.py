@@ -3,8 +3,12 @@
 The rank says up front which global sample indices it will ask for, in order. They
 are cut into chunks that the workers pack ahead of time; at most ``depth`` samples
 (rounded up to whole chunks) are requested but not yet consumed, which bounds
-memory, and a new chunk is requested whenever one is used up. After the first chunk
-(the warm-up) the training loop only waits if the workers fall behind, which
+memory, and a new chunk is requested whenever one is used up.
+
+Warm-up: until every worker has started and loaded the tokenizer and index, the
+training process packs the chunks it needs itself (a few documents; starting a
+Python process can take longer than that), so a start or a restart never waits for
+worker start-up. After that the loop only waits if the workers fall behind, which
 ``PrefetchStats`` counts. A request outside the announced order is still answered,
 computed in the training process, so a wrong plan costs speed, never correctness.
 """
@@ -22,7 +26,8 @@ import numpy as np
 import torch
 
 from elastor_mcore.datasets.packing import PackedSamples
-from elastor_mcore.datasets.tasks import JsonlSpec, SampleTask, open_jsonl_samples, to_ranges
+from elastor_mcore.datasets.tasks import (JsonlSpec, OpenTask, SampleTask, open_jsonl_samples,
+                                          to_ranges)
 from elastor_mcore.datasets.workers import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -34,12 +39,15 @@ LOG_EVERY_SECONDS = 30.0
 
 @dataclass
 class PrefetchStats:
-    """Counters of a ``PrefetchedSamples``; waits before the first chunk are warm-up."""
+    """Counters of a ``PrefetchedSamples``."""
 
     samples_served: int = 0
+    samples_packed_locally: int = 0
+    """Samples the training process packed itself while the workers started."""
     samples_out_of_plan: int = 0
-    chunks_received: int = 0
+    chunks_from_workers: int = 0
     warmup_seconds: float = 0.0
+    """From the source's creation to the first chunk the workers packed."""
     waits_after_warmup: int = 0
     wait_seconds_after_warmup: float = 0.0
     documents_tokenized: int = 0
@@ -70,13 +78,23 @@ class PrefetchedSamples:
         self._max_inflight = max(2, -(-depth // chunk))
         self._plan = _chunks(iter(indices), chunk)
         self._inflight: deque[tuple[int, list[int]]] = deque()
-        self._current: np.ndarray | None = None
+        self._current = np.zeros((0, spec.seq_length + 1), dtype=np.int32)
         self._current_indices: list[int] = []
         self._position = 0
-        self._fallback: PackedSamples | None = None
+        self._local: PackedSamples | None = None
         self._started = self._last_log = time.monotonic()
         self._pool = WorkerPool(workers)
-        self._top_up()
+        self._opening = [self._pool.submit(OpenTask(spec)) for _ in range(workers)]
+
+    def poll_workers(self) -> bool:
+        """Whether every worker has loaded the tokenizer and index (never waits); from
+        then on the workers pack every further chunk."""
+        if self._opening and all(self._pool.ready(t) for t in self._opening):
+            for task_id in self._opening:
+                self._pool.result(task_id)   # raises if a worker could not open the corpus
+            self._opening = []
+            self._top_up()
+        return not self._opening
 
     def _top_up(self) -> None:
         while len(self._inflight) < self._max_inflight:
@@ -86,29 +104,46 @@ class PrefetchedSamples:
             task = SampleTask(self.spec, to_ranges(chunk))
             self._inflight.append((self._pool.submit(task), chunk))
 
+    def _packed_here(self, indices: list[int]) -> np.ndarray:
+        """Pack samples in the training process (warm-up, or outside the plan)."""
+        if self._local is None:
+            self._local = open_jsonl_samples(self.spec)
+        documents, tokens = self._local.documents_fetched, self._local.tokens_fetched
+        out = self._local.samples(indices)
+        self.stats.documents_tokenized += self._local.documents_fetched - documents
+        self.stats.tokens_tokenized += self._local.tokens_fetched - tokens
+        return out
+
     def _advance(self) -> None:
-        """Make the next planned chunk current, waiting for it if it is not ready."""
-        if not self._inflight:
-            self._current, self._current_indices, self._position = None, [], 0
-            return
-        task_id, indices = self._inflight.popleft()
-        ready = self._pool.ready(task_id)
-        began = time.monotonic()
-        chunk = self._pool.result(task_id)
-        if self.stats.chunks_received == 0:
-            self.stats.warmup_seconds = time.monotonic() - self._started
-        elif not ready:
-            self.stats.waits_after_warmup += 1
-            self.stats.wait_seconds_after_warmup += time.monotonic() - began
-        self.stats.chunks_received += 1
-        self.stats.documents_tokenized += chunk.documents_tokenized
-        self.stats.tokens_tokenized += chunk.tokens_tokenized
-        self.stats.worker_seconds += chunk.seconds
-        self._current, self._current_indices, self._position = chunk.tokens, indices, 0
-        self._top_up()
+        """Make the next planned chunk current: packed here while the workers start,
+        then the workers' (waiting for it if it is not ready)."""
+        if self._opening:
+            indices = next(self._plan, [])
+            self._current, self._current_indices = self._packed_here(indices), indices
+            self.stats.samples_packed_locally += len(indices)
+        elif self._inflight:
+            task_id, indices = self._inflight.popleft()
+            ready = self._pool.ready(task_id)
+            began = time.monotonic()
+            chunk = self._pool.result(task_id)
+            if not self.stats.chunks_from_workers:
+                self.stats.warmup_seconds = time.monotonic() - self._started
+            elif not ready:
+                self.stats.waits_after_warmup += 1
+                self.stats.wait_seconds_after_warmup += time.monotonic() - began
+            self.stats.chunks_from_workers += 1
+            self.stats.documents_tokenized += chunk.documents_tokenized
+            self.stats.tokens_tokenized += chunk.tokens_tokenized
+            self.stats.worker_seconds += chunk.seconds
+            self._current, self._current_indices = chunk.tokens, indices
+            self._top_up()
+        else:
+            self._current_indices = []
+        self._position = 0
 
     def sample(self, index: int) -> torch.Tensor:
         """Tokens of global sample ``index``: int64 ``[seq_length + 1]``."""
+        self.poll_workers()
         if self._position == len(self._current_indices):
             self._advance()
         if self._position < len(self._current_indices) \
@@ -123,14 +158,13 @@ class PrefetchedSamples:
         return torch.from_numpy(row.astype(np.int64))
 
     def _out_of_plan(self, index: int) -> np.ndarray:
-        if self._fallback is None:
+        if not self.stats.samples_out_of_plan:
             expected = (self._current_indices[self._position]
                         if self._position < len(self._current_indices) else "none (plan ended)")
             log.warning("sample %d was requested but %s was planned next; computing samples "
                         "outside the plan in the training process (slow)", index, expected)
-            self._fallback = open_jsonl_samples(self.spec)
         self.stats.samples_out_of_plan += 1
-        return self._fallback.samples([index])[0]
+        return self._packed_here([index])[0]
 
     def _log_progress(self) -> None:
         self._last_log = time.monotonic()
@@ -145,8 +179,8 @@ class PrefetchedSamples:
     def close(self) -> None:
         """Stop the workers; the source cannot be used afterwards."""
         self._pool.close()
-        if self._fallback is not None:
-            self._fallback.store.close()
+        if self._local is not None:
+            self._local.store.close()
 
     def __enter__(self) -> "PrefetchedSamples":
         return self

@@ -59,6 +59,20 @@ class SampleChunk:
     seconds: float
 
 
+def _packed(context: WorkerContext, spec: JsonlSpec) -> PackedSamples:
+    return context.cached(spec, lambda: open_jsonl_samples(spec))
+
+
+@dataclass(frozen=True)
+class OpenTask:
+    """Worker task: load the tokenizer and index now, so the first chunk is fast."""
+
+    spec: JsonlSpec
+
+    def run(self, context: WorkerContext) -> None:
+        _packed(context, self.spec)
+
+
 @dataclass(frozen=True)
 class SampleTask:
     """Worker task: pack the samples listed by ``ranges`` (in that order)."""
@@ -68,7 +82,7 @@ class SampleTask:
 
     def run(self, context: WorkerContext) -> SampleChunk:
         began = time.perf_counter()
-        packed = context.cached(self.spec, lambda: open_jsonl_samples(self.spec))
+        packed = _packed(context, self.spec)
         documents, tokens = packed.documents_fetched, packed.tokens_fetched
         out = packed.samples([i for a, b in self.ranges for i in range(a, b)])
         return SampleChunk(out, packed.documents_fetched - documents,

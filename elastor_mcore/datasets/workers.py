@@ -158,7 +158,10 @@ class WorkerPool:
                     self._lock.notify_all()
 
     def _worker_gone(self, worker: int) -> None:
-        code = self._procs[worker].poll()
+        try:
+            code = self._procs[worker].wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            code = None
         with self._lock:
             for task_id in self._outstanding[worker]:
                 self._results[task_id] = (False, f"data worker {worker} exited unexpectedly "
