@@ -58,6 +58,8 @@ class StageCommunicator:
                  device: torch.device) -> None:
         self.links = links
         self.shape, self.dtype, self.device = shape, dtype, device
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     def _exchange(self, sends: list[tuple[torch.Tensor, int]], recv_from: int | None):
         ops = []
@@ -66,6 +68,9 @@ class StageCommunicator:
             received = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, received, recv_from))
         ops.extend(dist.P2POp(dist.isend, t, dst) for t, dst in sends)
+        self.bytes_sent += sum(t.numel() * t.element_size() for t, _ in sends)
+        if received is not None:
+            self.bytes_received += received.numel() * received.element_size()
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
