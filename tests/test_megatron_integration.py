@@ -1,0 +1,292 @@
+"""Megatron-LM integration: hooks, checkpoint conversion and the real-model recipes.
+
+One 4-rank world (``tests/workers/megatron_integration.py``) covers everything that
+needs process groups; the rest runs in the test process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from elastor_mcore import megatron_ckpt
+from elastor_mcore.convert import hf_llama
+from elastor_mcore.recipe import load_recipe
+from tests.conftest import REPO, TINY, run_world
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+HF_SEED = 5
+
+
+def tiny_hf_model():
+    """A random ``LlamaForCausalLM`` with the tiny recipe's shape (vocab 500)."""
+    model = load_recipe(TINY).model
+    config = transformers.LlamaConfig(
+        hidden_size=model.hidden_size, intermediate_size=model.ffn_hidden_size,
+        num_hidden_layers=model.num_layers, num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups, vocab_size=model.vocab_size,
+        max_position_embeddings=model.seq_length, rms_norm_eps=model.norm_epsilon,
+        rope_theta=float(model.rotary_base), tie_word_embeddings=False,
+        attention_bias=False, mlp_bias=False)
+    torch.manual_seed(HF_SEED)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """An HF directory, its zarr conversion, input tokens and transformers' logits."""
+    root = tmp_path_factory.mktemp("hf")
+    model = tiny_hf_model()
+    model.save_pretrained(root / "hf", safe_serialization=True)
+    hf_llama.hf_to_zarr(root / "hf", root / "hf_zarr", recipe=load_recipe(TINY))
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16),
+                           generator=torch.Generator().manual_seed(3))
+    torch.save(tokens, root / "tokens.pt")
+    with torch.no_grad():
+        logits = model(tokens).logits
+    return root, logits
+
+
+@pytest.fixture(scope="module")
+def world(hf_checkpoint, tmp_path_factory):
+    root, reference = hf_checkpoint
+    out = tmp_path_factory.mktemp("megatron_world")
+    run_world(4, "tests.workers.megatron_integration",
+              ["--out", str(out), "--recipe", str(TINY), "--hf-zarr", str(root / "hf_zarr"),
+               "--tokens", str(root / "tokens.pt")], timeout=400)
+    return out, json.loads((out / "result.json").read_text()), reference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_hooks_save_zarr_on_hetero_layout_and_load_under_another(world):
+    _, reports, _ = world
+    for report in reports:
+        hooks = report["hooks"]
+        assert hooks["saved_zarr"], report["rank"]
+        assert hooks["mismatches"] == [], (report["rank"], hooks["mismatches"][:5])
+        assert hooks["iteration"] == hooks["common_iteration"] == 7
+        assert hooks["args_lr"] == 0.5
+        assert hooks["rng"] == {"rank": report["rank"]}
+        assert hooks["content_metadata"] == {"elastor_test": True}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_mcore_torch_dist_converted_to_zarr_loads_under_hetero_layout(world):
+    _, reports, _ = world
+    for report in reports:
+        assert report["mcore"]["zarr_mismatches"] == [], report["rank"]
+        assert report["mcore"]["iteration"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_torch_dist_zarr_torch_dist_round_trip_is_bit_exact(world):
+    out, reports, _ = world
+    for report in reports:  # mcore itself loaded the round trip under TP=2 PP=2
+        assert report["mcore"]["round_trip_mismatches"] == [], report["rank"]
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    original = FileSystemReader(str(out / "torch_dist")).read_metadata().state_dict_metadata
+    back = FileSystemReader(str(out / "back")).read_metadata().state_dict_metadata
+    assert sorted(original) == sorted(back)
+    for key, meta in original.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        pair = []
+        for directory in ("torch_dist", "back"):
+            state = {key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)}
+            load(state, storage_reader=FileSystemReader(str(out / directory)), no_dist=True)
+            pair.append(state[key])
+        assert torch.equal(*pair), key
+    assert torch.load(out / "back" / "common.pt", weights_only=False) == \
+        torch.load(out / "torch_dist" / "common.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_hf_llama_logits_match_transformers_on_hetero_layout(world):
+    out, _, reference = world
+    logits = torch.load(out / "logits.pt")
+    vocab = reference.shape[-1]
+    assert logits.shape == (*reference.shape[:-1], 512)
+    assert torch.all(logits[..., vocab:] == 0)  # padded rows are zero
+    assert (logits[..., :vocab] - reference).abs().max().item() <= 1e-4
+
+
+@pytest.mark.timeout(120)
+def test_hf_zarr_hf_round_trip_is_bit_exact(hf_checkpoint, tmp_path):
+    root, _ = hf_checkpoint
+    hf_llama.zarr_to_hf(root / "hf_zarr", tmp_path / "hf", max_shard_bytes=300_000)
+    original = safetensors_torch.load_file(root / "hf" / "model.safetensors")
+    files = sorted((tmp_path / "hf").glob("*.safetensors"))
+    assert len(files) > 1 and (tmp_path / "hf" / hf_llama.INDEX_FILE).is_file()
+    back = {}
+    for file in files:
+        back.update(safetensors_torch.load_file(file))
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == \
+        json.loads((root / "hf" / "config.json").read_text())
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(reloaded.lm_head.weight, original["lm_head.weight"])
+
+
+def test_qkv_fusion_groups_rows_per_query_group():
+    model = load_recipe(TINY).model  # 8 heads, 4 groups, head dim 8
+    d, h = model.kv_channels, model.hidden_size
+    q = torch.arange(8 * d)[:, None].float().expand(-1, h)
+    k = 1000 + torch.arange(4 * d)[:, None].float().expand(-1, h)
+    v = 2000 + torch.arange(4 * d)[:, None].float().expand(-1, h)
+    qkv = hf_llama.fuse_qkv(q, k, v, model.num_query_groups)
+    group1 = qkv[(2 * d + 2 * d):(2 * (2 * d + 2 * d)), 0]
+    assert group1.tolist() == [*range(2 * d, 4 * d), *range(1000 + d, 1000 + 2 * d),
+                               *range(2000 + d, 2000 + 2 * d)]
+    assert all(torch.equal(a, b) for a, b in zip(hf_llama.split_qkv(qkv, model), (q, k, v)))
+
+
+def test_cli_convert_rejects_unknown_source(tmp_path, capsys):
+    from elastor_mcore.cli import main
+
+    assert main(["convert", str(tmp_path), str(tmp_path / "out"), "--to", "zarr"]) == 2
+    assert "is not a torch_dist, Hugging Face or elastor checkpoint" in capsys.readouterr().err
+
+
+def test_cli_convert_hf_to_zarr_prints_progress(hf_checkpoint, tmp_path, capsys):
+    from elastor_mcore.checkpoint import open as open_checkpoint
+    from elastor_mcore.cli import main
+
+    root, _ = hf_checkpoint
+    assert main(["convert", str(root / "hf"), str(tmp_path / "z"), "--to", "zarr",
+                 "--recipe", str(TINY)]) == 0
+    assert "[59/59] output_layer.weight" in capsys.readouterr().out
+    reader = open_checkpoint(tmp_path / "z")
+    assert reader.manifest.model == load_recipe(TINY).to_dict()["model"]
+    assert torch.equal(reader.read("embedding.word_embeddings.weight")[500:],
+                       torch.zeros(12, 64))
+
+
+# ----------------------------------------------------------------- flags and hooks
+
+
+def megatron_namespace(**overrides) -> argparse.Namespace:
+    """The Megatron-LM arguments the hooks read, for the tiny recipe."""
+    values = dict(num_layers=8, hidden_size=64, num_attention_heads=8,
+                  group_query_attention=True, num_query_groups=4, ffn_hidden_size=192,
+                  padded_vocab_size=500, seq_length=32, max_position_embeddings=32,
+                  rotary_base=10000, norm_epsilon=1e-5, init_method_std=0.02,
+                  make_vocab_size_divisible_by=128, global_batch_size=16,
+                  micro_batch_size=1, seed=1234, bf16=False, rank=0,
+                  tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                  virtual_pipeline_model_parallel_size=None,
+                  pipeline_model_parallel_layout=None)
+    values.update(overrides)
+    return argparse.Namespace(**values)
+
+
+def test_add_elastor_args_and_options(tmp_path):
+    from elastor_mcore.megatron_args import add_elastor_args, options_from_args
+
+    layout = tmp_path / "layout.yaml"
+    layout.write_text("pipelines:\n  - micro_batches: 16\n    stages:\n"
+                      "      - {tp: 2, layers: 5}\n      - {tp: 1, layers: 3}\n")
+    parser = add_elastor_args(argparse.ArgumentParser())
+    parsed = parser.parse_args(["--elastor-layout", str(layout), "--elastor-ckpt-format",
+                                "zarr", "--elastor-ckpt-keep", "2"])
+    options = options_from_args(megatron_namespace(**vars(parsed)))
+    assert options.ckpt_format == "zarr" and options.save.keep == 2
+    assert [s.tp for s in options.layout.pipelines[0].stages] == [2, 1]
+    assert options.save.chunking.split_sizes == (1, 2, 4)
+    assert options.save.manifest_extra["model"]["vocab_size"] == 500
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--elastor-ckpt-format", "torch_dist"])
+
+
+def test_adapt_args_rewrites_the_rank_to_its_stage():
+    from elastor_mcore.groups import RankGroups
+    from elastor_mcore.layout import RankPosition, layout_from_dict
+    from elastor_mcore.megatron_args import adapt_args, megatron_can_train
+
+    layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
+        {"tp": 2, "layers": 5}, {"tp": 1, "layers": 3}]}]})
+    groups = RankGroups(layout, 2, RankPosition(0, 1, 0), *([None, []] * 4), None, None)
+    args = megatron_namespace(padded_vocab_size=500)
+    adapt_args(args, groups)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+            args.data_parallel_size) == (1, 2, 1)
+    assert args.pipeline_model_parallel_layout == [
+        ["embedding"] + ["decoder"] * 5, ["decoder"] * 3 + ["loss"]]
+    assert args.padded_vocab_size == 512
+    assert not megatron_can_train(layout)
+    assert megatron_can_train(layout_from_dict({"pipelines": [
+        {"micro_batches": 8, "stages": [{"tp": 2, "layers": 5}, {"tp": 2, "layers": 3}]}] * 2}))
+
+
+def test_hooks_route_by_marker_and_restore(tmp_path):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
+
+    from elastor_mcore import megatron_hooks
+
+    original = dist_checkpointing.load_common_state_dict
+    zarr_dir = tmp_path / "iter_0000001"
+    zarr_dir.mkdir()
+    torch.save({"iteration": 1}, zarr_dir / megatron_ckpt.COMMON_FILE)
+    megatron_ckpt.write_config(zarr_dir)
+    megatron_hooks.install(megatron_hooks.ElastorOptions(ckpt_format="zarr"))
+    try:
+        assert dist_checkpointing.load_common_state_dict(str(zarr_dir)) == {"iteration": 1}
+        assert isinstance(serialization.get_default_load_sharded_strategy(str(zarr_dir)),
+                          megatron_hooks.ZarrLoadStrategy)
+        assert dist_checkpointing.check_is_distributed_checkpoint(str(zarr_dir))
+    finally:
+        megatron_hooks.uninstall()
+    assert dist_checkpointing.load_common_state_dict is original
+
+
+def test_prune_keeps_the_newest_zarr_checkpoints(tmp_path):
+    for it in (1, 2, 3, 4):
+        d = tmp_path / f"iter_{it:07d}"
+        d.mkdir()
+        megatron_ckpt.write_config(d)
+    other = tmp_path / "iter_0000000"  # not an elastor checkpoint: left alone
+    other.mkdir()
+    megatron_ckpt.prune(tmp_path, 2, tmp_path / "iter_0000004")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000000", "iter_0000003", "iter_0000004"]
+
+
+# ----------------------------------------------------------------- recipes
+
+
+@pytest.mark.parametrize("name", ["llama2-7b", "llama2-13b", "llama3-8b", "llama3-70b"])
+def test_recipe_builds_transformer_config(name):
+    from elastor_mcore.model import transformer_config
+
+    path = REPO / "recipes" / f"{name}.yaml"
+    if not path.is_file():
+        pytest.skip(f"{path} is not written yet")
+    recipe = load_recipe(path)
+    model = recipe.model
+    tp = max(t for t in model.valid_tp_sizes if t <= 8)
+    stages = [model.num_layers // 4] * 3
+    stages.append(model.num_layers - sum(stages))
+    config = transformer_config(recipe, tp, stages)
+    assert (config.num_layers, config.hidden_size, config.num_attention_heads,
+            config.num_query_groups, config.ffn_hidden_size, config.kv_channels) == (
+        model.num_layers, model.hidden_size, model.num_attention_heads,
+        model.num_query_groups, model.ffn_hidden_size, model.kv_channels)
+    assert config.tensor_model_parallel_size == tp
+    assert config.pipeline_model_parallel_size == 4
+    assert config.gated_linear_unit and config.normalization == "RMSNorm"
+    assert config.params_dtype == (torch.bfloat16 if recipe.training.params_dtype ==
+                                   "bfloat16" else torch.float32)
+    assert model.padded_vocab_size % (tp * model.make_vocab_size_divisible_by) == 0
