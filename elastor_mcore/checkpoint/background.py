@@ -19,6 +19,7 @@ never see it and the next save, or the next start, deletes it.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -110,13 +111,13 @@ def _mark_failed(tmp: Path, rank: int, exc: BaseException) -> None:
     not fit."""
     marker = failed_marker(tmp, rank)
     try:
-        with open(marker, "w") as f:
-            f.flush()
-            try:
-                f.write(f"{type(exc).__name__}: {exc}")
-                f.flush()
-            except OSError:
-                pass
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, f"{type(exc).__name__}: {exc}".encode())
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
         fsync_dir(tmp)
     except OSError as marker_error:
         log.error("rank %d could not write %s (%s); the coordinator will time out",
