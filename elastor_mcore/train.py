@@ -41,6 +41,21 @@ class StepMetrics:
     save_in_flight: bool = False       # a background save was running as the step began
 
 
+class RankHooks:
+    """Called on every active rank (``on_step`` runs on the reporting rank only): the
+    elastic supervisor's heartbeats and injected failures (``elastic.rank_hooks``).
+    Steps are 1-based, as printed. The base class does nothing."""
+
+    def ready(self, start_step: int, load_s: float) -> None:
+        """Set up and, after ``load_s`` seconds of loading, resumed at ``start_step``."""
+
+    def step_start(self, step: int) -> None:
+        """Step ``step`` is about to begin."""
+
+    def step_end(self, step: int) -> None:
+        """Step ``step`` is done (and its save, if one was due, started)."""
+
+
 @dataclass
 class RunConfig:
     recipe: Recipe
@@ -63,6 +78,8 @@ class RunConfig:
     """A failed save (e.g. a full disk): "stop" the run or log it and "continue"."""
     load_dir: str | None = None
     """Resume from the latest committed step under this root (any layout saved it)."""
+    hooks: RankHooks = field(default_factory=RankHooks)
+    """Per-rank callbacks on every active rank (heartbeats, failure injection)."""
 
 
 def device_for_rank() -> torch.device:
@@ -219,14 +236,18 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache or GroupCache())
     if runner is None:
         return []
+    load_start = time.perf_counter()
     start = resume(runner, cfg.load_dir, cfg.seed) if cfg.load_dir else 0
+    load_s = time.perf_counter() - load_start
     if cfg.save_dir and runner.groups.rank == min(cfg.layout.ranks):
         checkpoint.remove_stale(cfg.save_dir)
     model_cfg = cfg.recipe.model
     source = cfg.source or SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
     saver = checkpoint_manager(runner, cfg) if cfg.save_dir else None
     metrics = []
+    cfg.hooks.ready(start, load_s)
     for step in range(start, cfg.steps):
+        cfg.hooks.step_start(step + 1)
         in_flight = saver is not None and saver.in_flight
         reported = train_steps(runner, source, range(step, step + 1))
         done = step + 1
@@ -240,6 +261,7 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
             metrics.append(m)
             if cfg.on_step:
                 cfg.on_step(m)
+        cfg.hooks.step_end(done)
     if saver:
         saver.close()
     return metrics
