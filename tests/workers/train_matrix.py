@@ -1,36 +1,91 @@
-"""Test worker: train several layouts one after another in one torchrun world.
+"""Test worker: train, save, load and verify several layouts in one torchrun world.
 
 Starting a world costs seconds per rank here (mcore imports), so the layout matrix
-shares one. For each layout it writes ``<out>/<name>/metrics.json`` (reporting rank)
-and ``<out>/<name>/rank<r>.pt``: every ShardedTensor this rank holds after the last
-step, as ``{key: (global_offset, tensor)}``, from which the test rebuilds the full
-weights.
+shares one. Each ``--case NAME=LAYOUT:STEPS[,save=DIR][,load=DIR][,verify]``:
+
+* sets up the layout (ranks it does not use sit idle);
+* with ``load``, resumes from the latest step under DIR; with ``verify``, then checks
+  that every local shard (weights and Adam moments) equals its slice of the saved
+  global tensor byte for byte, writing ``<out>/<name>/verified.rank<r>``;
+* trains until step STEPS, writing ``<out>/<name>/metrics.json`` (reporting rank) and
+  ``<out>/<name>/rank<r>.pt``: every ShardedTensor this rank holds, as
+  ``{key: (global_offset, tensor)}``, from which the test rebuilds the full weights;
+* with ``save``, saves the final state synchronously under DIR.
 """
 
 import argparse
 import json
-import os
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from elastor_mcore import checkpoint
+from elastor_mcore.checkpointing import chunk_policy, manifest_fields, state_shards
 from elastor_mcore.compat import cpu
 from elastor_mcore.data import SyntheticTokens
 from elastor_mcore.groups import GroupCache
 from elastor_mcore.layout import load_layout
 from elastor_mcore.recipe import load_recipe
-from elastor_mcore.sharding import sharded_tensors
-from elastor_mcore.train import setup_stage, train_steps
+from elastor_mcore.sharding import Box, sharded_tensors
+from elastor_mcore.train import resume, setup_stage, train_steps
+
+
+def parse_case(spec: str) -> dict:
+    name, rest = spec.split("=", 1)
+    main, *options = rest.split(",")
+    layout, steps = main.rsplit(":", 1)
+    case = {"name": name, "layout": layout, "steps": int(steps)}
+    for option in options:
+        key, _, value = option.partition("=")
+        case[key] = value or True
+    return case
+
+
+def verify_loaded(runner, path: str) -> int:
+    """Compare every local shard with the checkpoint; return the number checked."""
+    reader = checkpoint.open(path)
+    shards = state_shards(runner.model, runner.optimizer)
+    for shard in shards:
+        expected = reader.read(shard.key, Box(tuple(shard.global_offset),
+                                              tuple(shard.data.shape)))
+        if not torch.equal(shard.data.contiguous(), expected):
+            raise AssertionError(f"rank {dist.get_rank()}: {shard.key} differs after load")
+    return len(shards)
+
+
+def run_case(case: dict, recipe, cache: GroupCache, out_root: Path) -> None:
+    layout = load_layout(case["layout"], recipe)
+    out = out_root / case["name"]
+    out.mkdir(parents=True, exist_ok=True)
+    seed = recipe.training.seed
+    runner = setup_stage(recipe, layout, seed, cache)
+    if runner is None:
+        return
+    start = resume(runner, case["load"], seed) if "load" in case else 0
+    if "verify" in case:
+        checked = verify_loaded(runner, case["load"])
+        (out / f"verified.rank{dist.get_rank()}").write_text(str(checked))
+    source = SyntheticTokens(recipe.model.vocab_size, recipe.model.seq_length, seed)
+    metrics = train_steps(runner, source, range(start, case["steps"]))
+    if metrics:
+        (out / "metrics.json").write_text(json.dumps([m.__dict__ for m in metrics]))
+    shards = {st.key: (tuple(st.global_offset), st.data.detach().clone())
+              for st in sharded_tensors(runner.model)}
+    torch.save(shards, out / f"rank{dist.get_rank()}.pt")
+    if "save" in case:
+        checkpoint.save(case["save"], case["steps"],
+                        state_shards(runner.model, runner.optimizer),
+                        manifest_fields(recipe, layout, case["steps"], seed, runner.optimizer),
+                        group=runner.groups.active, chunking=chunk_policy(recipe))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--case", action="append", required=True,
-                        help="NAME=LAYOUT:STEPS (layout: shorthand or YAML path)")
+    parser.add_argument("--case", action="append", required=True)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     cpu.apply()
@@ -38,25 +93,9 @@ def main() -> None:
     recipe = load_recipe(args.recipe)
     cache = GroupCache()
     for spec in args.case:
-        name, rest = spec.split("=", 1)
-        layout_spec, steps = rest.rsplit(":", 1)
-        layout = load_layout(layout_spec, recipe)
-        out = Path(args.out) / name
-        out.mkdir(parents=True, exist_ok=True)
-        runner = setup_stage(recipe, layout, recipe.training.seed, cache)
-        if runner is None:
-            continue
-        source = SyntheticTokens(recipe.model.vocab_size, recipe.model.seq_length,
-                                 recipe.training.seed)
-        metrics = train_steps(runner, source, range(int(steps)))
-        if metrics:
-            (out / "metrics.json").write_text(json.dumps([m.__dict__ for m in metrics]))
-        shards = {st.key: (tuple(st.global_offset), st.data.detach().clone())
-                  for st in sharded_tensors(runner.model)}
-        torch.save(shards, out / f"rank{dist.get_rank()}.pt")
+        run_case(parse_case(spec), recipe, cache, Path(args.out))
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
