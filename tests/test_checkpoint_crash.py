@@ -1,0 +1,114 @@
+"""Crash safety of asynchronous saves in real training runs (``elastor train``).
+
+A worker is SIGKILLed from outside at chosen moments of a background save; torchrun
+then tears the world down. Afterwards the previous committed step must load (every
+chunk's checksum is verified by reading every tensor), the partial step must not be
+listed, and the next ``--load`` start must delete the partial ``.tmp_`` directory.
+
+Run 1 (saves every 2 steps) is killed in rank 0, the committer, as soon as the
+temporary directory of step 4 appears. Run 2 resumes (saves every 3 steps) and is
+killed in rank 0 once rank 1 has declared its part of step 6 durable, before the
+commit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import pytest
+
+from elastor_mcore import checkpoint as ck
+from tests.conftest import REPO, TINY
+
+STEPS = "8"
+
+
+def worker_ranks(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The training ranks under an ``elastor train`` process, by their RANK."""
+    found = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "elastor_mcore.worker" in " ".join(child.cmdline()):
+                found[int(child.environ()["RANK"])] = child
+        except (psutil.Error, KeyError):
+            continue
+    return found
+
+
+def kill_when(args: list[str], log: Path, moment: Callable[[], bool], victim: int,
+              before: Callable[[], None] = lambda: None, timeout: float = 240) -> None:
+    """Start ``elastor train args``; the first time ``moment()`` holds, SIGKILL rank
+    ``victim``; wait for the world to end. ``before`` is checked on every poll until
+    then (it may assert)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "elastor_mcore.cli", "train", *args],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    ranks: dict[int, psutil.Process] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if len(ranks) < 2:
+                ranks = worker_ranks(proc)
+            before()
+            if moment():
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the run ended or stalled before the kill:\n{log.read_text()[-4000:]}")
+            time.sleep(0.002)
+        ranks[victim].kill()
+        assert proc.wait(timeout=120) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def assert_loads(root: Path, step: int) -> None:
+    reader = ck.open(root)
+    assert reader.manifest.step == step
+    for info in reader.tensors():
+        reader.read(info.name)  # raises on any checksum mismatch
+
+
+@pytest.mark.timeout(600)
+def test_killed_saves_leave_the_previous_step_and_are_cleaned(tmp_path):
+    root = tmp_path / "ckpt"
+    common = ["--recipe", str(TINY), "--layout", "dp2-tp1-pp1", "--steps", STEPS,
+              "--save", str(root)]
+
+    tmp4 = root / ".tmp_step_00000004"
+    kill_when(common + ["--save-interval", "2"], tmp_path / "run1.log",
+              moment=tmp4.exists, victim=0)
+    assert ck.committed_steps(root) == [2] and tmp4.exists()
+    assert_loads(root, 2)
+
+    tmp3, tmp6 = root / ".tmp_step_00000003", root / ".tmp_step_00000006"
+    committed_before_kill = []
+
+    def stale_removed_at_start() -> None:
+        if tmp3.exists():
+            assert not tmp4.exists(), "the restarted run did not remove the partial save"
+
+    def rank1_durable() -> bool:
+        if (tmp6 / "done.rank1").exists():
+            committed_before_kill.append((root / "step_00000006").exists())
+            return True
+        return False
+
+    kill_when(common + ["--save-interval", "3", "--load", str(root)],
+              tmp_path / "run2.log", moment=rank1_durable, victim=0,
+              before=stale_removed_at_start)
+    assert committed_before_kill == [False]
+    committed = ck.committed_steps(root)
+    assert 3 in committed
+    if 6 in committed:  # the commit won the race against the kill: step 6 is whole
+        assert not tmp6.exists()
+    else:
+        assert tmp6.exists() and ck.latest_step(root) == 3
+    assert_loads(root, ck.latest_step(root))
