@@ -255,7 +255,8 @@ def _read_items(reader, state: dict[str, Any]) -> dict[str, Any]:
 
 class _StreamingSavePlanner(DefaultSavePlanner):
     """Materialises each tensor only when the writer asks for it (the state dict
-    holds ``meta`` placeholders), so one tensor at a time is in memory."""
+    holds ``meta`` placeholders), so one tensor at a time is in memory. Objects are
+    written as the bytes given, not pickled again."""
 
     def __init__(self, assemble: Callable[[str], torch.Tensor], total: int,
                  progress: Progress | None) -> None:
@@ -263,8 +264,10 @@ class _StreamingSavePlanner(DefaultSavePlanner):
         self.assemble, self.total, self.progress, self.done = assemble, total, progress, 0
 
     def resolve_data(self, write_item):
-        if not isinstance(self.lookup_object(write_item.index), torch.Tensor):
-            return super().resolve_data(write_item)
+        value = self.lookup_object(write_item.index)
+        if isinstance(value, io.BytesIO):  # already serialised, as mcore stores objects
+            value.seek(0)
+            return value
         tensor = self.assemble(write_item.index.fqn)
         self.done += 1
         if self.progress:
