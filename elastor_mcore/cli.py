@@ -16,6 +16,8 @@ SUBCOMMAND_MODULES = [
     "elastor_mcore.commands.tokenizer",
     "elastor_mcore.commands.inspect",
     "elastor_mcore.commands.convert",
+    "elastor_mcore.commands.launch",
+    "elastor_mcore.commands.demo",
 ]
 
 

@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+EVENTS_FILE = "events.jsonl"
+"""The event log's name inside a launch directory."""
+
 
 def append_event(path: str | os.PathLike, event: str, **fields: Any) -> None:
     record = {"event": event, "time": time.time(), **fields}

@@ -16,6 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+HEARTBEAT_DIR = "heartbeat"
+"""The heartbeat files' folder inside a launch directory."""
+
 
 @dataclass(frozen=True)
 class Beat:

@@ -13,13 +13,10 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from elastor_mcore.elastic.events import append_event
+from elastor_mcore.elastic.events import EVENTS_FILE, append_event
 from elastor_mcore.elastic.failures import Failure, inject, load_failure_plan
-from elastor_mcore.elastic.heartbeat import HeartbeatWriter
+from elastor_mcore.elastic.heartbeat import HEARTBEAT_DIR, HeartbeatWriter
 from elastor_mcore.train import RankHooks
-
-HEARTBEAT_DIR = "heartbeat"
-EVENTS_FILE = "events.jsonl"
 
 
 def add_worker_args(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,163 @@
+"""``elastor demo``: the main job. Train tiny-llama on 8 CPU slots (2 nodes x 4) under
+the elastic supervisor, kill one slot and hang another, recover on 7 then 6 slots, and
+compare every step's loss with an uninterrupted run (see ``docs/elastic.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from elastor_mcore.commands.launch import StepPrinter, print_summary
+from elastor_mcore.elastic.failures import Failure, FailurePlanError
+from elastor_mcore.elastic.heartbeat import HangPolicy
+from elastor_mcore.elastic.report import read_metrics, write_report
+from elastor_mcore.elastic.supervisor import Supervisor, SupervisorConfig
+from elastor_mcore.elastic.timeline import recoveries
+from elastor_mcore.launch import run_torchrun
+from elastor_mcore.planner import HardwareError, load_hardware
+from elastor_mcore.recipe import RecipeError, load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+PREFIX = "elastor demo"
+TOLERANCE = 1e-5
+OUTPUTS = ("checkpoints", "reference", "report.md", "loss.png", "timeline.json",
+           "failure-plan.yaml")
+"""What the demo writes into --out (and removes there before it starts)."""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo", help="the main job: elastic training through two failures, with a report",
+        description="Train tiny-llama on 8 CPU slots (2 nodes x 4) under the elastic "
+                    "supervisor with async saves, kill one slot and hang another, recover "
+                    "on the survivors, run the same steps uninterrupted as the reference, "
+                    "and write report.md, loss.png and timeline.json.")
+    parser.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-llama.yaml"))
+    parser.add_argument("--hardware", default=str(REPO / "recipes" / "hardware" /
+                                                  "cpu-slots.yaml"))
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-interval", type=int, default=5)
+    parser.add_argument("--kill", default="12:3", metavar="STEP:SLOT",
+                        help="the slot killed and the step it dies at (default 12:3)")
+    parser.add_argument("--hang", default="27:6", metavar="STEP:SLOT",
+                        help="the slot that hangs and the step it hangs at (default 27:6)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=20.0, metavar="S")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    parser.set_defaults(func=run)
+
+
+def parse_failure(spec: str, kind: str) -> Failure:
+    try:
+        step, slot = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise FailurePlanError(f"--{kind} {spec!r}: write STEP:SLOT, e.g. 12:3") from None
+    return Failure(step=step, slot=slot, kind=kind)
+
+
+def clean(out: Path) -> None:
+    """Remove the demo's own outputs of an earlier run, nothing else."""
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    for path in out.glob("launch*"):
+        if path.is_dir():
+            shutil.rmtree(path)
+
+
+def run_reference(recipe_path: str, steps: int, out: Path) -> float:
+    """The uninterrupted run: one process, dp1-tp1-pp1 (losses are layout-independent)."""
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    result = run_torchrun(1, "elastor_mcore.worker",
+                          ["--recipe", recipe_path, "--layout", "dp1-tp1-pp1",
+                           "--steps", str(steps), "--metrics-out", str(out / "metrics.jsonl")],
+                          capture=True)
+    (out / "torchrun.log").write_text(result.stdout + result.stderr)
+    if result.returncode:
+        raise RuntimeError(f"the reference run failed (exit {result.returncode}); its output "
+                           f"is in {out / 'torchrun.log'}")
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:
+        recipe = load_recipe(args.recipe)
+        hardware = load_hardware(args.hardware)
+        failures = (parse_failure(args.kill, "kill"), parse_failure(args.hang, "hang"))
+        config = SupervisorConfig(
+            recipe=recipe, recipe_path=args.recipe, hardware=hardware,
+            slots=tuple(range(args.slots)), steps=args.steps, run_dir=out,
+            save_interval=args.save_interval, async_save=True, failures=failures,
+            failure_plan=str(out / "failure-plan.yaml"), max_restarts=len(failures),
+            hang=HangPolicy(startup_timeout_s=args.startup_timeout,
+                            timeout_s=args.heartbeat_timeout), devices="cpu")
+    except (RecipeError, HardwareError, FailurePlanError, ValueError) as exc:
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
+        return 2
+    nodes = -(-args.slots // hardware.gpus_per_node)
+    print(f"{PREFIX}: {recipe.name} on {args.slots} CPU slots ({nodes} nodes x "
+          f"{hardware.gpus_per_node}), {args.steps} steps, async save every "
+          f"{args.save_interval}; failures: " + ", ".join(
+              f"{f.kind} slot {f.slot} at step {f.step}" for f in failures), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    clean(out)
+    (out / "failure-plan.yaml").write_text(yaml.safe_dump(
+        {"failures": [{"step": f.step, "slot": f.slot, "kind": f.kind} for f in failures]},
+        sort_keys=False))
+
+    print(f"{PREFIX}: [1/3] reference: {args.steps} uninterrupted steps on 1 process "
+          f"(dp1-tp1-pp1) ...", flush=True)
+    try:
+        took = run_reference(args.recipe, args.steps, out / "reference")
+    except RuntimeError as exc:
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
+        return 1
+    reference = {m["step"]: m["loss"] for m in read_metrics(out / "reference" / "metrics.jsonl")}
+    print(f"{PREFIX}:   done in {took:.0f}s, final loss {reference[args.steps]:.6f}", flush=True)
+
+    print(f"{PREFIX}: [2/3] elastic run under the supervisor ...", flush=True)
+    start = time.perf_counter()
+    supervisor = Supervisor(config, on_message=lambda line: print(f"{PREFIX}:   {line}",
+                                                                  flush=True),
+                            on_step=StepPrinter(args.steps, every=5, prefix=PREFIX))
+    outcome = supervisor.run()
+    elastic_s = time.perf_counter() - start
+
+    print(f"{PREFIX}: [3/3] report ...", flush=True)
+    items = recoveries(outcome.launches)
+    layouts = " -> ".join(str(len(l.slots)) for l in outcome.launches)
+    summary = (f"{'Finished' if outcome.finished else 'FAILED'}: {outcome.reason}. "
+               f"Slots per launch: {layouts}; elastic run {elastic_s:.0f}s, reference "
+               f"{took:.0f}s.")
+    settings = {"recipe": args.recipe, "hardware": args.hardware,
+                "slots": f"{args.slots} ({nodes} nodes x {hardware.gpus_per_node})",
+                "steps": args.steps, "saves": f"asynchronous, every {args.save_interval} steps",
+                "failures": ", ".join(f"{f.kind} of slot {f.slot} at step {f.step}"
+                                      for f in failures),
+                "heartbeat timeout": f"{args.heartbeat_timeout:.0f}s after the first step, "
+                                     f"{args.startup_timeout:.0f}s before",
+                "data": "synthetic tokens (seeded; the same under every layout)",
+                "reference": "the same steps uninterrupted on 1 process (dp1-tp1-pp1)"}
+    worst = write_report(out, "elastor demo: recovery on the survivors",
+                         "elastor demo " + " ".join(sys.argv[2:]), settings, outcome.launches,
+                         reference, list(range(args.slots)), hardware.gpus_per_node, summary)
+    print_summary(outcome, PREFIX)
+    for launch in outcome.launches:
+        print(f"{PREFIX}:   launch {launch.index}: {len(launch.slots):2d} slots  "
+              f"{launch.describe}")
+    ok = outcome.finished and len(items) == len(failures) and worst <= TOLERANCE
+    print(f"{PREFIX}: max relative loss difference from the reference over every step run: "
+          f"{worst:.2e} ({'within' if worst <= TOLERANCE else 'ABOVE'} {TOLERANCE:g})")
+    print(f"{PREFIX}: wrote {out / 'report.md'}, {out / 'loss.png'}, {out / 'timeline.json'}")
+    return 0 if ok else 1

@@ -1,0 +1,60 @@
+"""Which devices survived a failure.
+
+CUDA: each candidate device runs a small kernel in its own subprocess under a
+timeout, so a wedged device or driver stalls only its probe, never the supervisor.
+CPU: a "device" is a rank slot and cannot break; the slots whose failure was injected
+count as dead (``alive_slots``), which is also how an injected failure on CUDA stands
+for a dead GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+CUDA_PROBE = (
+    "import torch\n"
+    "x = torch.arange(1 << 20, device='cuda', dtype=torch.float32)\n"
+    "assert float((x * 2).sum()) == float(x.sum()) * 2\n"
+    "torch.cuda.synchronize()\n")
+"""Allocate, compute and synchronise on the one visible device."""
+
+
+def probe_cuda(devices: Iterable[int], timeout_s: float = 60.0,
+               script: str = CUDA_PROBE) -> list[int]:
+    """Devices whose probe succeeded within ``timeout_s``; all probes run in parallel."""
+    procs = {}
+    for device in devices:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device))
+        procs[device] = subprocess.Popen([sys.executable, "-c", script], env=env,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    alive = []
+    for device, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            log.warning("device %d: probe did not finish in %.0f s; counted dead",
+                        device, timeout_s)
+            continue
+        if proc.returncode == 0:
+            alive.append(device)
+        else:
+            log.warning("device %d: probe failed (exit %d): %s", device, proc.returncode,
+                        err.decode(errors="replace").strip().splitlines()[-1:] or "")
+    return sorted(alive)
+
+
+def alive_slots(slots: Sequence[int], dead: Iterable[int]) -> list[int]:
+    """The slots not known dead."""
+    dead = set(dead)
+    return [s for s in slots if s not in dead]

@@ -1,0 +1,309 @@
+"""The supervisor: plan a layout for the live slots, run it under torchrun, watch it,
+and on a failure stop it, find the survivors, re-plan and relaunch from the latest
+committed checkpoint, until the run finishes or recovery is impossible.
+
+Torchrun does the rendezvous and the process management of each launch; a launch ends
+when a rank exits non-zero (torchrun then tears the others down and exits non-zero)
+or when a rank stops heart-beating (a hung collective: nothing exits, so the
+supervisor stops the job itself). The global batch and the data order do not depend on
+the layout, so the relaunched run continues the same loss curve.
+
+Run directory::
+
+    checkpoints/            committed steps (step_<N>/, latest)
+    launch<K>/              layout.yaml (torchrun ranks), plan.json (physical slots),
+                            metrics.jsonl, torchrun.log, events.jsonl, heartbeat/
+    timeline.json           launches and recoveries (``timeline``)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import psutil
+
+from elastor_mcore import planner
+from elastor_mcore.checkpoint import latest_step
+from elastor_mcore.elastic import probe
+from elastor_mcore.elastic.failures import Failure, validate
+from elastor_mcore.elastic.heartbeat import HEARTBEAT_DIR, HangPolicy, read_beats
+from elastor_mcore.elastic.rank_hooks import worker_args
+from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, write_json
+from elastor_mcore.launch import torchrun_command, worker_env
+from elastor_mcore.layout import Layout, layout_from_dict
+from elastor_mcore.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = "elastor_mcore.worker"
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    recipe: Recipe
+    recipe_path: str
+    """Passed to the workers, which load the recipe themselves."""
+    hardware: planner.HardwareProfile
+    slots: tuple[int, ...]
+    """Physical slots of the cluster (GPU ids, or CPU rank slots), node-major."""
+    steps: int
+    run_dir: Path
+    save_interval: int
+    """Steps between checkpoints: the most work a failure can cost."""
+    keep_checkpoints: int = 2
+    async_save: bool = True
+    seed: int | None = None
+    failures: tuple[Failure, ...] = ()
+    failure_plan: str | None = None
+    """The failure plan's file (given to the workers); ``failures`` is its content."""
+    max_restarts: int = 3
+    hang: HangPolicy = HangPolicy()
+    devices: Literal["cpu", "cuda"] = "cpu"
+    probe_timeout_s: float = 60.0
+    worker_extra_args: tuple[str, ...] = ()
+    """Passed to every worker unchanged (e.g. data flags)."""
+    poll_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0:
+            raise ValueError(f"steps must be positive, got {self.steps}")
+        if self.save_interval <= 0:
+            raise ValueError(f"save_interval must be positive (recovery resumes from the "
+                             f"latest checkpoint), got {self.save_interval}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        validate(self.failures, self.slots, self.steps, self.failure_plan or "failure plan")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+@dataclass
+class Outcome:
+    finished: bool
+    reason: str
+    """Why the run ended, in a sentence for people."""
+    launches: list[LaunchRecord] = field(default_factory=list)
+
+
+def torchrun_layout(layout: Layout) -> tuple[Layout, tuple[int, ...]]:
+    """The layout on torchrun ranks 0..n-1 and the slot of each rank: slots in sorted
+    order become consecutive ranks."""
+    slots = layout.ranks
+    rank_of = {slot: rank for rank, slot in enumerate(slots)}
+    data = layout.to_dict()
+    for pipe in data["pipelines"]:
+        for stage in pipe["stages"]:
+            stage["ranks"] = [rank_of[s] for s in stage["ranks"]]
+    return layout_from_dict(data), slots
+
+
+def stop_job(proc: subprocess.Popen, worker_pids: Sequence[int]) -> None:
+    """SIGKILL torchrun and every worker with its children. Torchrun starts each worker
+    in a new session, so the job is several process groups: torchrun's, and one per
+    worker (its id is the worker's pid, and outlives a worker that already died)."""
+    groups = {proc.pid, *worker_pids}
+    try:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                groups.add(os.getpgid(child.pid))
+            except ProcessLookupError:
+                pass
+    except psutil.NoSuchProcess:
+        pass
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is alive (a zombie has exited, its parent has not reaped it yet)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Supervisor:
+    """Runs ``config`` to the end, recovering from failures; see the module docstring.
+
+    ``on_message`` receives a line per event for people (launch, failure, recovery);
+    ``on_step`` each step's metrics record (``worker.MetricsPrinter``'s JSON) with the
+    launch it came from.
+    """
+
+    def __init__(self, config: SupervisorConfig,
+                 on_message: Callable[[str], None] = log.info,
+                 on_step: Callable[[LaunchRecord, dict[str, Any]], None] | None = None) -> None:
+        self.config = config
+        self.on_message = on_message
+        self.on_step = on_step
+        self.launches: list[LaunchRecord] = []
+        self.dead: set[int] = set()
+
+    # ----- the loop ------------------------------------------------------------------
+    def run(self) -> Outcome:
+        cfg = self.config
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        alive, probe_s = list(cfg.slots), 0.0
+        try:
+            while True:
+                record = self._plan_and_launch(alive, probe_s)
+                if isinstance(record, str):
+                    return self._finish(False, record)
+                if record.outcome == "finished":
+                    return self._finish(True, f"finished {cfg.steps} steps after "
+                                              f"{len(self.launches) - 1} recoveries")
+                restarts = len(self.launches) - 1
+                if restarts >= cfg.max_restarts:
+                    return self._finish(False, f"gave up: the run failed again after "
+                                               f"{restarts} restarts (--max-restarts "
+                                               f"{cfg.max_restarts})")
+                start = time.perf_counter()
+                alive = self._survivors(alive, record)
+                probe_s = time.perf_counter() - start
+                self.on_message(f"survivors: {len(alive)} slots {alive} "
+                                f"(probed in {probe_s:.2f}s)")
+        finally:
+            write_json(cfg.run_dir / "timeline.json", self.launches)
+
+    def _finish(self, finished: bool, reason: str) -> Outcome:
+        self.on_message(reason)
+        return Outcome(finished, reason, self.launches)
+
+    def _plan_and_launch(self, alive: list[int], probe_s: float) -> LaunchRecord | str:
+        """Plan for ``alive``, run one launch to its end; a reason string if nothing
+        can run on ``alive``."""
+        cfg = self.config
+        start = time.perf_counter()
+        try:
+            chosen = planner.plan(cfg.recipe, cfg.hardware, alive)
+        except planner.PlannerError as exc:
+            return (f"gave up: the {len(alive)} surviving slots {alive} cannot hold the "
+                    f"model: {exc}")
+        plan_s = time.perf_counter() - start
+        index = len(self.launches)
+        record = LaunchRecord(
+            index=index, dir=str(cfg.run_dir / f"launch{index}"),
+            slots=list(chosen.layout.ranks), layout=chosen.layout.to_dict(),
+            describe=chosen.layout.describe(), predicted_step_s=chosen.step_s,
+            probe_s=probe_s, plan_s=plan_s, launched_at=0.0,
+            resumed_from=latest_step(cfg.checkpoint_dir) if cfg.checkpoint_dir.exists()
+            else None)
+        self.launches.append(record)
+        Path(record.dir).mkdir(parents=True, exist_ok=True)
+        (Path(record.dir) / "plan.json").write_text(json.dumps(chosen.to_dict(), indent=2))
+        resumed = ("from scratch" if record.resumed_from is None
+                   else f"from step {record.resumed_from}")
+        self.on_message(f"launch {index}: {len(record.slots)} slots {record.slots}, "
+                        f"{record.describe} (planned in {plan_s:.2f}s), {resumed}")
+        proc = self._start(record, chosen.layout)
+        try:
+            self._watch(record, proc)
+        finally:
+            if proc.poll() is None or record.outcome != "finished":
+                start = time.perf_counter()
+                stop_job(proc, [b.pid for b in read_beats(self._heartbeats(record)).values()])
+                record.stop_s = time.perf_counter() - start
+            record.ended_at = time.time()
+        return record
+
+    # ----- one launch ----------------------------------------------------------------
+    def _start(self, record: LaunchRecord, layout: Layout) -> subprocess.Popen:
+        cfg = self.config
+        out = Path(record.dir)
+        ranked, slots = torchrun_layout(layout)
+        (out / "layout.yaml").write_text(ranked.to_yaml())
+        args = ["--recipe", cfg.recipe_path, "--layout", str(out / "layout.yaml"),
+                "--steps", str(cfg.steps), "--metrics-out", str(out / "metrics.jsonl"),
+                "--save", str(cfg.checkpoint_dir), "--save-interval", str(cfg.save_interval),
+                "--keep-checkpoints", str(cfg.keep_checkpoints),
+                "--async-save" if cfg.async_save else "--no-async-save"]
+        if cfg.seed is not None:
+            args += ["--seed", str(cfg.seed)]
+        if record.resumed_from is not None:
+            args += ["--load", str(cfg.checkpoint_dir)]
+        args += worker_args(out, slots, cfg.failure_plan) + list(cfg.worker_extra_args)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if cfg.devices == "cuda" \
+            else None
+        with open(out / "torchrun.log", "w") as log_file:
+            record.launched_at = time.time()
+            return subprocess.Popen(
+                torchrun_command(len(slots), WORKER_MODULE, args), env=worker_env(env),
+                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _heartbeats(self, record: LaunchRecord) -> Path:
+        return Path(record.dir) / HEARTBEAT_DIR
+
+    def _watch(self, record: LaunchRecord, proc: subprocess.Popen) -> None:
+        """Until the launch ends: finished, a rank exited non-zero, or a rank went silent."""
+        cfg = self.config
+        metrics = Path(record.dir) / "metrics.jsonl"
+        seen = 0
+        while True:
+            code = proc.poll()
+            seen = self._forward_steps(record, metrics, seen)
+            if code is not None:
+                record.exit_code = code
+                record.outcome = "finished" if code == 0 else "exit"
+                break
+            beats = read_beats(self._heartbeats(record))
+            died = [b.slot for b in beats.values() if b.step < cfg.steps and not _running(b.pid)]
+            if died:  # faster than waiting for torchrun to notice and tear down
+                record.outcome, record.died_slots = "exit", died
+                break
+            silent = cfg.hang.silent_slots(record.slots, beats, record.launched_at, time.time())
+            if silent:
+                record.outcome, record.silent_slots = "hang", silent
+                break
+            time.sleep(cfg.poll_s)
+        record.detected_at = time.time()
+        if record.outcome == "finished":
+            return
+        if record.outcome == "hang":
+            what = (f"slots {silent} stopped heart-beating (no beat for "
+                    f"{cfg.hang.timeout_s:.0f}s after stepping, or "
+                    f"{cfg.hang.startup_timeout_s:.0f}s before the first step)")
+        elif record.died_slots:
+            what = (f"the ranks of slots {record.died_slots} died (their output is in "
+                    f"{record.dir}/torchrun.log)")
+        else:
+            what = (f"torchrun exited with code {code} (a rank failed; its output is in "
+                    f"{record.dir}/torchrun.log)")
+        injected = record.failures()
+        if injected:
+            what += "; injected: " + ", ".join(
+                f"{e['kind']} of slot {e['slot']} at step {e['step']}" for e in injected)
+        self.on_message(f"launch {record.index} failed: {what}")
+
+    def _forward_steps(self, record: LaunchRecord, metrics: Path, seen: int) -> int:
+        """Pass the metrics lines written since the last call to ``on_step``."""
+        if not metrics.is_file():
+            return seen
+        text = metrics.read_text()
+        complete = text[:text.rfind("\n") + 1].splitlines()  # a line being written waits
+        for line in complete[seen:]:
+            if self.on_step:
+                self.on_step(record, json.loads(line))
+        return max(seen, len(complete))
+
+    def _survivors(self, alive: list[int], failed: LaunchRecord) -> list[int]:
+        """The slots still usable: injected failures are dead; on CUDA every remaining
+        device must also pass a probe."""
+        self.dead.update(e["slot"] for e in failed.failures())
+        candidates = probe.alive_slots(alive, self.dead)
+        if self.config.devices == "cuda":
+            return probe.probe_cuda(candidates, self.config.probe_timeout_s)
+        return candidates
