@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import time
@@ -68,6 +69,21 @@ def _ensure_corpus(work: Path, corpus_mb: float, vocab: int, tokenizer_mb: float
     return DataConfig(kind="jsonl", paths=(str(corpus),), tokenizer=str(tokenizer))
 
 
+def _cpu_share(seconds: float = 1.0) -> float:
+    """Fraction of a core this process gets now (1.0 on an idle machine)."""
+    began, cpu = time.monotonic(), time.process_time()
+    while time.monotonic() - began < seconds:
+        pass
+    return (time.process_time() - cpu) / (time.monotonic() - began)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (the index workers)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/elastor-bench-data",
@@ -99,16 +115,22 @@ def main(argv: list[str] | None = None) -> int:
                                               "stages": [{"tp": 1, "layers": 8}]}]})
     G = args.global_batch
     corpus_mb = sum(f.size for f in resolve_corpus(cfg.paths)) / 1e6
-    print(f"corpus {corpus_mb:.1f} MB, seq_length {args.seq_length}, global batch {G}, "
-          f"{os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f}")
+    share = _cpu_share()
+    print(f"corpus {corpus_mb:.1f} MB, seq_length {args.seq_length}, global batch {G}; "
+          f"{os.cpu_count()} CPU(s), load average {os.getloadavg()[0]:.1f}, this process gets "
+          f"{share:.0%} of a core (wall-clock figures below are that much slower than on an "
+          f"idle machine; CPU-second figures are not)")
 
     # 1. Index build (forced).
     shutil.rmtree(Path(cfg.paths[0]) / CACHE_DIR_NAME, ignore_errors=True)
     print(f"building the document index with {args.index_workers} worker(s) ...", flush=True)
+    cpu = _cpu_seconds()
     summary = prepare_data(cfg, recipe)
-    index_rate = summary.tokens / summary.seconds
-    print(f"  {summary.documents} documents, {summary.tokens} tokens in {summary.seconds:.1f} s "
-          f"({index_rate:,.0f} tokens/s, {corpus_mb / summary.seconds:.2f} MB/s)")
+    index_cpu = _cpu_seconds() - cpu
+    index_rate, index_cpu_rate = summary.tokens / summary.seconds, summary.tokens / index_cpu
+    print(f"  {summary.documents} documents, {summary.tokens:,} tokens in {summary.seconds:.1f} s "
+          f"({index_rate:,.0f} tokens/s, {corpus_mb / summary.seconds:.2f} MB/s); "
+          f"{index_cpu:.1f} CPU s ({index_cpu_rate:,.0f} tokens per CPU second)")
     cached = prepare_data(cfg, recipe)
     print(f"  reloading the cached index: {cached.seconds * 1e3:.0f} ms")
 
@@ -126,17 +148,19 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(step * G, step * G + G):
                 source.sample(i)
             fetch = time.monotonic() - t0
-            if step > 0:
+            if source.stats.chunks_from_workers > 1:   # warm-up is over
                 worst = max(worst, fetch)
                 waited_steps += source.stats.waits_after_warmup > before
             time.sleep(args.step_time)
         stats = source.stats
     elapsed = time.monotonic() - began
     consumed_rate = args.steps * G * args.seq_length / elapsed
-    print(f"  warm-up (first chunk) {stats.warmup_seconds:.2f} s; steps that waited on data "
-          f"after warm-up: {waited_steps} of {args.steps - 1} (slowest fetch {worst * 1e3:.1f} ms)")
-    print(f"  workers: {stats.tokens_tokenized:,} tokens tokenised at "
-          f"{stats.tokens_per_worker_second:,.0f} tokens/s per busy worker; training consumed "
+    print(f"  warm-up {stats.warmup_seconds:.2f} s ({stats.samples_packed_locally} samples packed "
+          f"in the trainer meanwhile); steps that waited on data after warm-up: {waited_steps} "
+          f"of {args.steps} (slowest fetch {worst * 1e3:.1f} ms)")
+    print(f"  workers tokenised {stats.worker_tokens:,} tokens at "
+          f"{stats.tokens_per_worker_second:,.0f} tokens/s per busy worker "
+          f"({stats.tokens_per_worker_cpu_second:,.0f} per CPU second); training consumed "
           f"{consumed_rate:,.0f} tokens/s")
 
     # 3. Resume at 90 % of the corpus.
@@ -147,33 +171,41 @@ def main(argv: list[str] | None = None) -> int:
                        args.seq_length, recipe.training.seed, False)
     needed = {doc for i in range(step * G, step * G + G) for doc, _, _ in plan.pieces(i)}
     locate_seconds = time.monotonic() - began
-    began = time.monotonic()
+    began, cpu = time.monotonic(), time.process_time()
     indices = pipeline_sample_indices(layout, 0, G, 1, step, step + 1)
     with build_sample_source(cfg, recipe, indices) as source:
         batch = [source.sample(i) for i in range(step * G, step * G + G)]
-        resume_seconds = time.monotonic() - began
+        resume_seconds, resume_cpu = time.monotonic() - began, time.process_time() - cpu
         documents = source.stats.documents_tokenized
     direct = open_jsonl_samples(JsonlSpec(summary.index_path, str(Path(cfg.tokenizer).resolve()),
                                           args.seq_length, recipe.training.seed, False))
     same = all((b.numpy() == row).all() for b, row in
                zip(batch, direct.samples(range(step * G, step * G + G))))
-    retokenize = tokens_before / index_rate
-    print(f"resume at step {step} (sample {step * G}, token {tokens_before:,} of "
-          f"{summary.tokens:,}): first global batch in {resume_seconds:.2f} s, "
-          f"{documents} documents tokenised ({len(needed)} needed; locating them from the "
-          f"cached index took {locate_seconds * 1e3:.0f} ms); re-tokenising up to there would take "
-          f"~{retokenize:.0f} s at the index build's rate; batch matches direct packing: {same}")
+    retokenize, retokenize_cpu = tokens_before / index_rate, tokens_before / index_cpu_rate
+    print(f"resume at step {step} (sample {step * G}, stream token {tokens_before:,} of "
+          f"{summary.tokens:,}):")
+    print(f"  locating the position from the cached index: {locate_seconds * 1e3:.0f} ms")
+    print(f"  first global batch after {resume_seconds:.2f} s ({resume_cpu:.2f} CPU s in the "
+          f"trainer); {documents} documents tokenised, {len(needed)} of them needed")
+    print(f"  re-tokenising up to there instead: ~{retokenize:.0f} s at the index build's rate "
+          f"(~{retokenize_cpu:.0f} CPU s)")
+    print(f"  the resumed batch matches direct packing: {same}")
 
-    figures = {"corpus_mb": corpus_mb, "documents": summary.documents, "tokens": summary.tokens,
-               "index_build_s": summary.seconds, "index_tokens_per_s": index_rate,
-               "index_reload_s": cached.seconds, "warmup_s": stats.warmup_seconds,
-               "steps": args.steps, "step_time_s": args.step_time,
-               "steps_waited_after_warmup": waited_steps,
+    figures = {"corpus_mb": corpus_mb, "cpu_share": share, "documents": summary.documents,
+               "tokens": summary.tokens, "index_build_s": summary.seconds,
+               "index_build_cpu_s": index_cpu, "index_tokens_per_s": index_rate,
+               "index_tokens_per_cpu_s": index_cpu_rate, "index_reload_s": cached.seconds,
+               "warmup_s": stats.warmup_seconds, "steps": args.steps,
+               "step_time_s": args.step_time, "steps_waited_after_warmup": waited_steps,
+               "slowest_fetch_after_warmup_s": worst,
                "worker_tokens_per_s": stats.tokens_per_worker_second,
+               "worker_tokens_per_cpu_s": stats.tokens_per_worker_cpu_second,
                "consumed_tokens_per_s": consumed_rate, "resume_step": step,
-               "resume_locate_s": locate_seconds, "resume_first_batch_s": resume_seconds, "resume_documents_tokenised": documents,
-               "retokenise_estimate_s": retokenize, "resume_batch_matches": bool(same),
-               "load_average": os.getloadavg()[0]}
+               "resume_locate_s": locate_seconds, "resume_first_batch_s": resume_seconds,
+               "resume_first_batch_cpu_s": resume_cpu, "resume_documents_tokenised": documents,
+               "resume_documents_needed": len(needed), "retokenise_estimate_s": retokenize,
+               "retokenise_estimate_cpu_s": retokenize_cpu, "resume_batch_matches": bool(same),
+               "load_average_end": os.getloadavg()[0]}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(figures, indent=2) + "\n")
     return 0 if same else 1

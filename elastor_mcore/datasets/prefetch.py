@@ -52,12 +52,20 @@ class PrefetchStats:
     wait_seconds_after_warmup: float = 0.0
     documents_tokenized: int = 0
     tokens_tokenized: int = 0
+    """Documents and tokens tokenised for this source, here or by the workers."""
+    worker_tokens: int = 0
     worker_seconds: float = 0.0
+    worker_cpu_seconds: float = 0.0
 
     @property
     def tokens_per_worker_second(self) -> float:
-        """Tokenisation throughput of one busy worker."""
-        return self.tokens_tokenized / self.worker_seconds if self.worker_seconds else 0.0
+        """Tokenisation throughput of one busy worker (wall clock)."""
+        return self.worker_tokens / self.worker_seconds if self.worker_seconds else 0.0
+
+    @property
+    def tokens_per_worker_cpu_second(self) -> float:
+        """The same per CPU second: what a worker does with a core to itself."""
+        return self.worker_tokens / self.worker_cpu_seconds if self.worker_cpu_seconds else 0.0
 
 
 def _chunks(indices: Iterator[int], size: int) -> Iterator[list[int]]:
@@ -134,7 +142,9 @@ class PrefetchedSamples:
             self.stats.chunks_from_workers += 1
             self.stats.documents_tokenized += chunk.documents_tokenized
             self.stats.tokens_tokenized += chunk.tokens_tokenized
+            self.stats.worker_tokens += chunk.tokens_tokenized
             self.stats.worker_seconds += chunk.seconds
+            self.stats.worker_cpu_seconds += chunk.cpu_seconds
             self._current, self._current_indices = chunk.tokens, indices
             self._top_up()
         else:
@@ -172,7 +182,7 @@ class PrefetchedSamples:
             len(c) for _, c in self._inflight)
         log.info("data: %d samples served, %d planned ahead, workers tokenised %d tokens at "
                  "%.0f tokens/s each, %d wait(s) after warm-up (%.2f s)",
-                 self.stats.samples_served, ahead, self.stats.tokens_tokenized,
+                 self.stats.samples_served, ahead, self.stats.worker_tokens,
                  self.stats.tokens_per_worker_second, self.stats.waits_after_warmup,
                  self.stats.wait_seconds_after_warmup)
 
