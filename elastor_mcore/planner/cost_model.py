@@ -1,0 +1,282 @@
+"""Analytic cost model: predicted step time and memory per GPU of a layout.
+
+Time, per micro-batch and stage (forward + backward, no activation recomputation):
+
+* compute: the stage's layers' FLOPs (QKV, causal attention, output projection, SwiGLU
+  MLP; backward = 2 x forward) at ``peak x efficiency(tp) x tp``, plus the output
+  layer's logits on the last stage. A measured table in the hardware profile replaces
+  a layer's analytic time (compute and TP communication, as a measurement sees both).
+* TP communication: four collectives of ``b x s x h`` activations per layer (two
+  forward, two backward; all-reduce, or all-gather + reduce-scatter with sequence
+  parallelism, same volume), ring cost over intra-node links (TP never spans nodes).
+* P2P: one activation (forward) or gradient (backward) message per neighbour stage.
+
+Per pipeline, 1F1B with its bubble: ``(micro_batches + stages - 1) x slowest stage``.
+Per step: slowest pipeline + the cross-pipeline gradient all-reduce (ring over the
+pipelines; each GPU's fp32 gradient shard approximated by its pipeline's average
+``parameters / GPUs``, so the term depends on the pipelines' sizes, not on the split).
+
+P2P and gradient traffic use intra-node links when every used GPU sits on one node,
+inter-node links otherwise: the cost of a layout then depends only on each stage's TP
+degree, layer count and position, and on whether the layout spans nodes. The search
+relies on this (groups of equal size are interchangeable).
+
+Memory per GPU: weights (params dtype), fp32 gradients, optimizer state (fp32 master
+copy when params are bf16, two Adam moments), activations of the micro-batches 1F1B
+keeps in flight at the stage (``stages - position``; the planner keeps at least as many
+micro-batches as stages), embedding on the first stage, output layer and fp32 logits on
+the last, and the profile's reserved memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from elastor_mcore.planner.hardware import HardwareProfile
+from elastor_mcore.recipe import Recipe
+
+GIB = 1024**3
+GRAD_BYTES = 4          # Megatron accumulates gradients in fp32 (main_grad)
+ADAM_MOMENT_BYTES = 8   # exp_avg + exp_avg_sq, fp32
+LOGIT_BYTES = 4         # the loss works on fp32 logits
+TP_COLLECTIVES_PER_LAYER = 4
+TP_COLLECTIVES_EMBEDDING = 2  # vocab-parallel embedding / output layer, forward + backward
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes per GPU of one stage."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    reserved: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.reserved
+
+
+@dataclass(frozen=True)
+class StageCost:
+    tp: int
+    layers: int
+    compute_s: float
+    """Compute of the stage's layers (and output layer), forward + backward, per micro-batch."""
+    tp_comm_s: float
+    p2p_s: float
+    memory: MemoryBreakdown
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.tp_comm_s + self.p2p_s
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    micro_batches: int
+    stages: tuple[StageCost, ...]
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(s.time_s for s in self.stages)
+
+    @property
+    def time_s(self) -> float:
+        return (self.micro_batches + len(self.stages) - 1) * self.bottleneck_s
+
+
+@dataclass(frozen=True)
+class StepCost:
+    pipelines: tuple[PipelineCost, ...]
+    grad_sync_s: float
+
+    @property
+    def step_s(self) -> float:
+        return max(p.time_s for p in self.pipelines) + self.grad_sync_s
+
+
+class CostModel:
+    """Costs of stages, pipelines and steps for one recipe on one kind of hardware.
+
+    ``intra_node`` arguments say whether the whole layout sits on one node (P2P and
+    gradient traffic then use intra-node links).
+    """
+
+    def __init__(self, recipe: Recipe, hardware: HardwareProfile,
+                 sequence_parallel: bool = True) -> None:
+        self.recipe = recipe
+        self.hardware = hardware
+        self.sequence_parallel = sequence_parallel
+        model, training = recipe.model, recipe.training
+        self.num_layers = model.num_layers
+        self.total_micro_batches = training.total_micro_batches
+        self._b, self._s, self._h = training.micro_batch_size, model.seq_length, model.hidden_size
+        self._v = model.padded_vocab_size
+        self._kv = model.num_query_groups * model.kv_channels
+        self._f = model.ffn_hidden_size
+        self._param_bytes = 2 if training.params_dtype == "bfloat16" else 4
+        master = 4 if training.params_dtype == "bfloat16" else 0
+        self._state_bytes_per_param = self._param_bytes + GRAD_BYTES + master + ADAM_MOMENT_BYTES
+        self._act_bytes = self._param_bytes
+        self._measured = hardware.measured_layer_ms.get(recipe.name, {})
+        self.capacity_bytes = (hardware.memory_per_gpu_gib - hardware.memory_reserved_gib) * GIB
+
+    # ----- sizes ------------------------------------------------------------------------
+    @cached_property
+    def layer_params(self) -> int:
+        h = self._h
+        return 2 * h * h + 2 * h * self._kv + 3 * h * self._f + 2 * h
+
+    @cached_property
+    def total_params(self) -> int:
+        return self.recipe.model.parameter_count()
+
+    @property
+    def _message_bytes(self) -> float:
+        """One micro-batch's hidden states: what crosses a stage boundary or a TP collective."""
+        return self._b * self._s * self._h * self._act_bytes
+
+    # ----- time -------------------------------------------------------------------------
+    def _flops_rate(self, tp: int) -> float:
+        return tp * self.hardware.peak_tflops * 1e12 * self.hardware.efficiency(tp)
+
+    def _collective_s(self, tp: int, nbytes: float, count: int) -> float:
+        """Ring all-reduce (or all-gather + reduce-scatter) inside a node."""
+        if tp == 1:
+            return 0.0
+        hw = self.hardware
+        one = (2 * (tp - 1) / tp * nbytes / (hw.intra_node_bandwidth_gb_s * 1e9)
+               + 2 * (tp - 1) * hw.intra_node_latency_us * 1e-6)
+        return count * one
+
+    def layer_compute_s(self, tp: int) -> float:
+        """Forward + backward FLOPs of one layer on one micro-batch, at TP degree ``tp``."""
+        b, s, h = self._b, self._s, self._h
+        gemm = 2 * b * s * (2 * h * h + 2 * h * self._kv + 3 * h * self._f)
+        attention = 2 * b * s * s * h  # QK^T and AV, causal half of 4bs^2h
+        return 3 * (gemm + attention) / self._flops_rate(tp)
+
+    def layer_tp_comm_s(self, tp: int) -> float:
+        return self._collective_s(tp, self._message_bytes, TP_COLLECTIVES_PER_LAYER)
+
+    def layer_time_s(self, tp: int) -> float:
+        """Time one layer adds to a stage per micro-batch (measured when the profile has it)."""
+        if tp in self._measured:
+            return self._measured[tp] / 1000
+        return self.layer_compute_s(tp) + self.layer_tp_comm_s(tp)
+
+    def output_layer_compute_s(self, tp: int) -> float:
+        return 3 * 2 * self._b * self._s * self._h * self._v / self._flops_rate(tp)
+
+    def p2p_s(self, intra_node: bool) -> float:
+        hw = self.hardware
+        if intra_node:
+            return hw.intra_node_latency_us * 1e-6 + self._message_bytes / (
+                hw.intra_node_bandwidth_gb_s * 1e9)
+        return hw.inter_node_latency_us * 1e-6 + self._message_bytes / (
+            hw.inter_node_bandwidth_gb_s * 1e9)
+
+    def _embedding_comm_s(self, tp: int, first: bool, last: bool) -> float:
+        count = (TP_COLLECTIVES_EMBEDDING // 2) * first + TP_COLLECTIVES_EMBEDDING * last
+        return self._collective_s(tp, self._message_bytes, count)
+
+    def _neighbours(self, position: int, num_stages: int) -> int:
+        return (position > 0) + (position < num_stages - 1)
+
+    def stage_fixed_s(self, tp: int, position: int, num_stages: int, intra_node: bool) -> float:
+        """Time of a stage that does not scale with its layers: embedding/output, P2P."""
+        first, last = position == 0, position == num_stages - 1
+        return ((self.output_layer_compute_s(tp) if last else 0.0)
+                + self._embedding_comm_s(tp, first, last)
+                + self._neighbours(position, num_stages) * self.p2p_s(intra_node))
+
+    def grad_sync_s(self, num_pipelines: int, min_pipeline_gpus: int, intra_node: bool) -> float:
+        """Cross-pipeline gradient all-reduce (ring over the pipelines)."""
+        if num_pipelines <= 1:
+            return 0.0
+        hw = self.hardware
+        bw, lat = ((hw.intra_node_bandwidth_gb_s, hw.intra_node_latency_us) if intra_node
+                   else (hw.inter_node_bandwidth_gb_s, hw.inter_node_latency_us))
+        nbytes = GRAD_BYTES * self.total_params / min_pipeline_gpus
+        d = num_pipelines
+        return 2 * (d - 1) / d * nbytes / (bw * 1e9) + 2 * (d - 1) * lat * 1e-6
+
+    @staticmethod
+    def pipeline_time_s(micro_batches: int, num_stages: int, bottleneck_s: float) -> float:
+        """1F1B: fill and drain cost ``stages - 1`` slots of the slowest stage."""
+        return (micro_batches + num_stages - 1) * bottleneck_s
+
+    # ----- memory -----------------------------------------------------------------------
+    def _layer_activation_bytes(self, tp: int) -> float:
+        """Activations one layer keeps for backward, per micro-batch and GPU (flash
+        attention, no recomputation): norm inputs/outputs (split by sequence parallelism),
+        QKV, attention output, and the SwiGLU fc1 output and product."""
+        h, tp_sp = self._h, (tp if self.sequence_parallel else 1)
+        per_token = 4 * h / tp_sp + (2 * h + 2 * self._kv + 3 * self._f) / tp
+        return self._b * self._s * per_token * self._act_bytes
+
+    def _sharded_layer_params(self, tp: int) -> float:
+        return (self.layer_params - 2 * self._h) / tp + 2 * self._h
+
+    def layer_memory_bytes(self, tp: int, position: int, num_stages: int) -> float:
+        """Memory one more layer costs a stage's GPU."""
+        in_flight = num_stages - position
+        return (self._sharded_layer_params(tp) * self._state_bytes_per_param
+                + in_flight * self._layer_activation_bytes(tp))
+
+    def stage_memory(self, tp: int, layers: int, position: int,
+                     num_stages: int) -> MemoryBreakdown:
+        first, last = position == 0, position == num_stages - 1
+        params = layers * self._sharded_layer_params(tp)
+        activations = (num_stages - position) * layers * self._layer_activation_bytes(tp)
+        if first:
+            params += self._v * self._h / tp
+        if last:
+            params += self._v * self._h / tp + self._h
+            activations += self._b * self._s * self._v / tp * LOGIT_BYTES
+        master = self._state_bytes_per_param - self._param_bytes - GRAD_BYTES - ADAM_MOMENT_BYTES
+        return MemoryBreakdown(
+            weights=params * self._param_bytes,
+            gradients=params * GRAD_BYTES,
+            optimizer=params * (master + ADAM_MOMENT_BYTES),
+            activations=activations,
+            reserved=self.hardware.memory_reserved_gib * GIB)
+
+    def max_layers(self, tp: int, position: int, num_stages: int) -> int:
+        """Most layers a stage can hold in memory (0 if not even its fixed part fits)."""
+        fixed = self.stage_memory(tp, 0, position, num_stages)
+        room = self.capacity_bytes - (fixed.total - fixed.reserved)
+        if room < 0:
+            return 0
+        return int(room // self.layer_memory_bytes(tp, position, num_stages))
+
+    # ----- whole stages / layouts ------------------------------------------------------
+    def stage_cost(self, tp: int, layers: int, position: int, num_stages: int,
+                   intra_node: bool) -> StageCost:
+        first, last = position == 0, position == num_stages - 1
+        if tp in self._measured:
+            compute, comm = layers * self.layer_time_s(tp), 0.0
+        else:
+            compute, comm = layers * self.layer_compute_s(tp), layers * self.layer_tp_comm_s(tp)
+        if last:
+            compute += self.output_layer_compute_s(tp)
+        return StageCost(
+            tp=tp, layers=layers, compute_s=compute,
+            tp_comm_s=comm + self._embedding_comm_s(tp, first, last),
+            p2p_s=self._neighbours(position, num_stages) * self.p2p_s(intra_node),
+            memory=self.stage_memory(tp, layers, position, num_stages))
+
+    def step_cost(self, pipelines: list[tuple[int, list[tuple[int, int]]]],
+                  intra_node: bool) -> StepCost:
+        """Cost of ``[(micro_batches, [(tp, layers), ...]), ...]``."""
+        costs = tuple(
+            PipelineCost(micro_batches=mb, stages=tuple(
+                self.stage_cost(tp, layers, j, len(stages), intra_node)
+                for j, (tp, layers) in enumerate(stages)))
+            for mb, stages in pipelines)
+        min_gpus = min(sum(tp for tp, _ in stages) for _, stages in pipelines)
+        return StepCost(pipelines=costs,
+                        grad_sync_s=self.grad_sync_s(len(pipelines), min_gpus, intra_node))

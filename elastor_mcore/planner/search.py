@@ -1,0 +1,493 @@
+"""Search for the fastest layout of a set of alive GPUs under the cost model.
+
+The space: every node's alive GPUs are cut into TP groups (any size allowed by the
+model and the node, GPUs may stay idle); groups are arranged into pipelines (ordered
+stages); each pipeline splits the layers over its stages (every stage >= 1 layer, within
+its memory) and gets micro-batches (at least its stage count; all pipelines together
+exactly the global batch).
+
+How it is searched, and why each step is exact:
+
+1. **Groups are interchangeable by size.** The cost model charges a stage by TP degree,
+   layer count and position only (see ``cost_model``), plus whether the layout spans
+   nodes. So a node contributes a *partition* of its alive count (a multiset of sizes),
+   and a set of nodes a *pool* of group counts. Partitions that leave GPUs idle are not
+   needed: an unused group is idle anyway. Single-node pools (cheaper links) are searched
+   separately from the multi-node pool.
+2. **Pipeline shapes.** For each multiset of TP sizes the best pipeline is computed once
+   (memoised): for each distinct stage order, the exact min-max layer split under
+   memory caps is a greedy that gives the next layer to the stage whose time grows
+   least (optimal for a maximum of increasing functions). Small multisets try every
+   distinct order; large ones try big-TP-first orders with each size as last stage
+   (first stages keep the most micro-batches in flight; the last carries the output
+   layer).
+3. **Micro-batches, exact.** For a set of pipelines the smallest time ``T`` with
+   ``sum(floor(T / t_i) - stages_i + 1) >= micro_batches`` is found among the candidate
+   values ``k x t_i`` between the continuous bounds; every pipeline then gets its
+   capacity at ``T``, trimmed from the slowest ones.
+4. **Packing pipelines.** Small pools (<= ``EXACT_POOL_GROUPS`` groups) enumerate every
+   multiset of pipeline shapes that fits the pool, i.e. every number of pipelines and
+   assignment of groups. Large pools first fill most groups of a plentiful size with
+   copies of the best uniform pipeline of that size (chosen by its predicted step time),
+   then enumerate packings of the small residual (partial nodes and a reserve of
+   plentiful groups, so residual pipelines may mix sizes).
+5. **Pools.** Nodes with equal alive counts form a class. Small clusters
+   (<= ``EXACT_CLUSTER_GPUS``) try every mix of partitions within each class. Larger
+   ones cut all nodes of a class alike: every partition for a class of few nodes
+   (typically the nodes with dead GPUs), else greedily into the largest groups up to a
+   cap, for every cap (``[8]``, ``[4, 4]``, ``[2, 2, 2, 2]``, ... for full nodes).
+
+The result is the best layout found, with deterministic tie-breaks (fewer GPUs, fewer
+pipelines). The test suite checks it against brute force on small clusters.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+
+from elastor_mcore.planner.cost_model import CostModel
+
+log = logging.getLogger(__name__)
+
+EXACT_POOL_GROUPS = 10
+"""Pools with at most this many TP groups enumerate every packing."""
+RESIDUAL_GROUPS = 6
+"""Groups left next to the uniform bulk of a large pool, whose packings are enumerated."""
+ALL_ORDERS_LIMIT = 30
+"""Pipelines with at most this many distinct stage orders try them all."""
+EXACT_CLUSTER_GPUS = 16
+"""Clusters with at most this many alive GPUs try every partition of every node."""
+FEW_NODES = 2
+"""In larger clusters, a class of at most this many nodes still tries every partition."""
+BULK_RESERVE = 2
+"""Groups of a plentiful size kept out of the uniform bulk, per stage of its pipeline."""
+EXTRA_STAGES = 2
+"""Large pools consider pipelines of up to (fewest stages that fit the model) + this."""
+REL_TOL = 1e-9
+
+
+@dataclass(frozen=True)
+class PipelineShape:
+    """The best ordered pipeline for a multiset of TP sizes."""
+
+    tps: tuple[int, ...]
+    layers: tuple[int, ...]
+    bottleneck_s: float
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.tps)
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.tps)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A searched layout before GPUs are placed: pipelines with their micro-batches."""
+
+    pipelines: tuple[tuple[PipelineShape, int], ...]
+    intra_node: bool
+    pipeline_s: float
+    grad_sync_s: float
+    partitions: tuple[tuple[int, tuple[int, ...]], ...]
+    """(node, TP sizes of its groups) for the nodes whose groups this layout may use."""
+
+    @property
+    def step_s(self) -> float:
+        return self.pipeline_s + self.grad_sync_s
+
+    @property
+    def gpus(self) -> int:
+        return sum(shape.gpus for shape, _ in self.pipelines)
+
+    def key(self) -> tuple:
+        return (self.step_s, self.gpus, len(self.pipelines))
+
+
+def better(a: Candidate | None, b: Candidate | None) -> Candidate | None:
+    """The better of two candidates: faster, then fewer GPUs, then fewer pipelines."""
+    if a is None or b is None:
+        return a or b
+    if abs(a.step_s - b.step_s) > REL_TOL * max(a.step_s, b.step_s):
+        return a if a.step_s < b.step_s else b
+    return a if a.key()[1:] <= b.key()[1:] else b
+
+
+# ----- node partitions ------------------------------------------------------------------
+def node_partitions(alive: int, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every multiset of group sizes (descending) that sums to ``alive``."""
+    out: list[tuple[int, ...]] = []
+
+    def rec(rest: int, allowed: tuple[int, ...], acc: tuple[int, ...]) -> None:
+        if rest == 0:
+            out.append(acc)
+            return
+        for i, size in enumerate(allowed):
+            if size <= rest:
+                rec(rest - size, allowed[i:], acc + (size,))
+
+    rec(alive, tuple(sorted(sizes, reverse=True)), ())
+    return out
+
+
+# ----- pipeline shapes ------------------------------------------------------------------
+def _permutations(counts: dict[int, int]) -> list[tuple[int, ...]]:
+    """Distinct orders of a multiset, without generating duplicates."""
+    if not any(counts.values()):
+        return [()]
+    out = []
+    for size in sorted((s for s, c in counts.items() if c), reverse=True):
+        counts[size] -= 1
+        out += [(size,) + rest for rest in _permutations(counts)]
+        counts[size] += 1
+    return out
+
+
+def _distinct_orders(tps: tuple[int, ...]) -> list[tuple[int, ...]]:
+    counts = Counter(tps)
+    n_orders = math.factorial(len(tps)) // math.prod(math.factorial(c) for c in counts.values())
+    if n_orders <= ALL_ORDERS_LIMIT:
+        return _permutations(dict(counts))
+    desc = tuple(sorted(tps, reverse=True))
+    orders = {desc}
+    for last in counts:
+        rest = list(desc)
+        rest.remove(last)
+        orders.add(tuple(rest) + (last,))
+    return sorted(orders, reverse=True)
+
+
+class ShapeBook:
+    """Memoised best pipelines by TP multiset, for one cost model and link kind."""
+
+    def __init__(self, cost: CostModel, intra_node: bool) -> None:
+        self.cost = cost
+        self.intra_node = intra_node
+        self.best = lru_cache(maxsize=None)(self._best)
+        self._stage = lru_cache(maxsize=None)(self._stage_terms)
+
+    def _stage_terms(self, tp: int, position: int, num_stages: int
+                     ) -> tuple[float, float, int]:
+        """(time per layer, fixed time, most layers in memory) of a stage slot."""
+        cost = self.cost
+        return (cost.layer_time_s(tp),
+                cost.stage_fixed_s(tp, position, num_stages, self.intra_node),
+                min(cost.max_layers(tp, position, num_stages), cost.num_layers))
+
+    def split(self, order: tuple[int, ...]) -> tuple[tuple[int, ...], float] | None:
+        """Exact min-max layer split of an ordered pipeline under memory caps.
+
+        Starts from the continuous optimum rounded down (no optimal split has fewer
+        layers on any stage), then gives each remaining layer to the stage whose time
+        grows least: optimal for a maximum of increasing functions.
+        """
+        n, total = len(order), self.cost.num_layers
+        if n > total:
+            return None
+        terms = [self._stage(tp, j, n) for j, tp in enumerate(order)]
+        if min(cap for _, _, cap in terms) < 1 or sum(cap for _, _, cap in terms) < total:
+            return None
+        t_cont = (total + sum(c / a for a, c, _ in terms)) / sum(1 / a for a, _, _ in terms)
+        layers = [max(1, min(cap, math.floor((t_cont - c) / a))) for a, c, cap in terms]
+        if sum(layers) > total:  # only when the ">= 1 layer" floor lifted some stage
+            layers = [1] * n
+        heap = [(a * (layers[j] + 1) + c, j) for j, (a, c, cap) in enumerate(terms)
+                if layers[j] < cap]
+        heapq.heapify(heap)
+        for _ in range(total - sum(layers)):
+            _, j = heapq.heappop(heap)
+            layers[j] += 1
+            a, c, cap = terms[j]
+            if layers[j] < cap:
+                heapq.heappush(heap, (a * (layers[j] + 1) + c, j))
+        bottleneck = max(a * l + c for (a, c, _), l in zip(terms, layers))
+        return tuple(layers), bottleneck
+
+    def _best(self, tps: tuple[int, ...]) -> PipelineShape | None:
+        best: PipelineShape | None = None
+        for order in _distinct_orders(tps):
+            result = self.split(order)
+            if result is None:
+                continue
+            layers, bottleneck = result
+            if best is None or bottleneck < best.bottleneck_s * (1 - REL_TOL):
+                best = PipelineShape(tps=order, layers=layers, bottleneck_s=bottleneck)
+        return best
+
+
+# ----- micro-batches --------------------------------------------------------------------
+def balance_micro_batches(shapes: list[tuple[PipelineShape, int]], total: int
+                          ) -> tuple[float, list[list[int]]] | None:
+    """Exact min over integer splits of ``max_i (m_i + stages_i - 1) x bottleneck_i``.
+
+    ``shapes`` lists (shape, copies); returns the time and the micro-batches of every
+    copy, or None when even ``m_i = stages_i`` everywhere exceeds ``total``.
+    """
+    if sum(s.num_stages * c for s, c in shapes) > total:
+        return None
+
+    def capacity(t: float, shape: PipelineShape) -> int:
+        return math.floor(t / shape.bottleneck_s * (1 + 1e-12)) - shape.num_stages + 1
+
+    rate = sum(c / s.bottleneck_s for s, c in shapes)
+    floor_t = max((2 * s.num_stages - 1) * s.bottleneck_s for s, _ in shapes)
+    lo = max(floor_t, (total + sum(c * (s.num_stages - 1) for s, c in shapes)) / rate)
+    hi = max(floor_t, (total + sum(c * s.num_stages for s, c in shapes)) / rate)
+    candidates = sorted({k * s.bottleneck_s for s, _ in shapes
+                         for k in range(math.ceil(lo / s.bottleneck_s * (1 - 1e-12)),
+                                        math.floor(hi / s.bottleneck_s * (1 + 1e-12)) + 1)}
+                        | {floor_t, hi})
+    candidates = [t for t in candidates if t >= floor_t * (1 - 1e-12)]
+    lo_i, hi_i = 0, len(candidates) - 1
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i) // 2
+        if sum(c * capacity(candidates[mid], s) for s, c in shapes) >= total:
+            hi_i = mid
+        else:
+            lo_i = mid + 1
+    t_star = candidates[lo_i]
+    micro = [[capacity(t_star, s)] * c for s, c in shapes]
+    surplus = sum(map(sum, micro)) - total
+    heap = [(-(m + s.num_stages - 1) * s.bottleneck_s, i, k)
+            for i, (s, c) in enumerate(shapes) for k, m in enumerate(micro[i])]
+    heapq.heapify(heap)
+    while surplus > 0:
+        _, i, k = heapq.heappop(heap)
+        shape = shapes[i][0]
+        if micro[i][k] > shape.num_stages:
+            micro[i][k] -= 1
+            surplus -= 1
+            heapq.heappush(heap, (-(micro[i][k] + shape.num_stages - 1) * shape.bottleneck_s,
+                                  i, k))
+    time_s = max((m + s.num_stages - 1) * s.bottleneck_s
+                 for (s, _), ms in zip(shapes, micro) for m in ms)
+    return time_s, micro
+
+
+# ----- packing pipelines into a pool ----------------------------------------------------
+def _sub_multisets(pool: dict[int, int], max_size: int) -> list[tuple[int, ...]]:
+    sizes = sorted(pool, reverse=True)
+    out = []
+    for counts in itertools.product(*(range(pool[s] + 1) for s in sizes)):
+        n = sum(counts)
+        if 1 <= n <= max_size:
+            out.append(tuple(s for s, c in zip(sizes, counts) for _ in range(c)))
+    return out
+
+
+class PoolSearch:
+    """Best packing of pipelines into one pool of TP groups."""
+
+    def __init__(self, cost: CostModel, book: ShapeBook) -> None:
+        self.cost = cost
+        self.book = book
+
+    def evaluate(self, shapes: list[tuple[PipelineShape, int]],
+                 partitions: tuple[tuple[int, tuple[int, ...]], ...]) -> Candidate | None:
+        balanced = balance_micro_batches(shapes, self.cost.total_micro_batches)
+        if balanced is None:
+            return None
+        pipeline_s, micro = balanced
+        pipelines = tuple((s, m) for (s, _), ms in zip(shapes, micro) for m in ms)
+        grad = self.cost.grad_sync_s(len(pipelines), min(s.gpus for s, _ in pipelines),
+                                     self.book.intra_node)
+        return Candidate(pipelines=pipelines, intra_node=self.book.intra_node,
+                         pipeline_s=pipeline_s, grad_sync_s=grad, partitions=partitions)
+
+    def _enumerate(self, pool: dict[int, int], fixed: list[tuple[PipelineShape, int]],
+                   max_stages: int, partitions, incumbent: Candidate | None
+                   ) -> Candidate | None:
+        """Every multiset of shapes that fits ``pool`` (plus the ``fixed`` pipelines),
+        branch and bound: a partial packing is dropped when even perfectly efficient
+        pipelines on all its remaining groups could not beat the incumbent."""
+        cost, total = self.cost, self.cost.total_micro_batches
+        shapes = [s for tps in _sub_multisets(pool, max_stages)
+                  if (s := self.book.best(tps)) is not None]
+        shapes.sort(key=lambda s: (-1 / (s.bottleneck_s * s.gpus), s.tps))
+        sizes = sorted(pool, reverse=True)
+        need = [tuple(s.tps.count(size) for size in sizes) for s in shapes]
+        # upper bound on the micro-batch rate a group can add: all layers at its speed
+        group_rate = {tp: 1 / (cost.layer_time_s(tp) * cost.num_layers) for tp in sizes}
+        best = incumbent
+        found: Candidate | None = None
+        chosen: list[tuple[PipelineShape, int]] = []
+        intra = self.book.intra_node
+
+        def lower_bound(rate: float, bubble: int, pipes: int, min_gpus: float,
+                        extra_rate: float) -> float:
+            grad = cost.grad_sync_s(pipes, int(min_gpus), intra) if pipes else 0.0
+            if rate + extra_rate <= 0:
+                return math.inf
+            return (total + bubble) / (rate + extra_rate) + grad
+
+        def beaten(bound: float) -> bool:
+            return best is not None and bound > best.step_s * (1 + REL_TOL)
+
+        def rec(i: int, left: list[int], rate: float, bubble: int, stages: int, pipes: int,
+                min_gpus: float) -> None:
+            """Visit the packing ``chosen`` (unused groups idle), then every extension
+            by shapes ``i`` and later, each multiset of shapes exactly once."""
+            nonlocal best, found
+            left_rate = sum(c * group_rate[size] for c, size in zip(left, sizes))
+            if beaten(lower_bound(rate, bubble, pipes, min_gpus, left_rate)):
+                return
+            if pipes:
+                floor_t = max((2 * s.num_stages - 1) * s.bottleneck_s for s, _ in fixed + chosen)
+                if not beaten(max(floor_t, (total + bubble) / rate)
+                              + cost.grad_sync_s(pipes, int(min_gpus), intra)):
+                    candidate = self.evaluate(fixed + chosen, partitions)
+                    if candidate is not None and better(best, candidate) is candidate:
+                        best = found = candidate
+            for j in range(i, len(shapes)):
+                shape, n = shapes[j], need[j]
+                rest = [a - b for a, b in zip(left, n)]
+                if min(rest) < 0 or stages + shape.num_stages > total:
+                    continue
+                if chosen and chosen[-1][0] is shape:
+                    chosen[-1] = (shape, chosen[-1][1] + 1)
+                else:
+                    chosen.append((shape, 1))
+                rec(j, rest, rate + 1 / shape.bottleneck_s, bubble + shape.num_stages - 1,
+                    stages + shape.num_stages, pipes + 1, min(min_gpus, shape.gpus))
+                if chosen[-1][1] > 1:
+                    chosen[-1] = (shape, chosen[-1][1] - 1)
+                else:
+                    chosen.pop()
+
+        rate0 = sum(c / s.bottleneck_s for s, c in fixed)
+        rec(0, [pool[s] for s in sizes], rate0, sum(c * (s.num_stages - 1) for s, c in fixed),
+            sum(c * s.num_stages for s, c in fixed), sum(c for _, c in fixed),
+            min((s.gpus for s, _ in fixed), default=math.inf))
+        return found
+
+    def _min_stages(self, tp: int) -> int | None:
+        for n in range(1, self.cost.num_layers + 1):
+            if self.book.best((tp,) * n) is not None:
+                return n
+        return None
+
+    def search(self, pool: dict[int, int], partitions: tuple[tuple[int, tuple[int, ...]], ...],
+               incumbent: Candidate | None) -> Candidate | None:
+        """A candidate from this pool better than ``incumbent``, or None."""
+        pool = {tp: c for tp, c in pool.items() if c > 0}
+        groups = sum(pool.values())
+        if groups <= EXACT_POOL_GROUPS:
+            return self._enumerate(pool, [], groups, partitions, incumbent)
+        min_stages = [n for tp in pool if (n := self._min_stages(tp)) is not None]
+        if not min_stages:
+            return None
+        max_stages = min(min_stages) + EXTRA_STAGES
+        best, found = incumbent, None
+        for bulk in self._bulk_options(pool, max_stages):
+            residual = dict(pool)
+            for shape, copies in bulk:
+                residual[shape.tps[0]] -= copies * shape.num_stages
+            residual = self._trim(residual)
+            candidate = self._enumerate(residual, bulk, max_stages, partitions, best)
+            if candidate is not None:
+                best = found = candidate
+        return found
+
+    def _trim(self, residual: dict[int, int]) -> dict[int, int]:
+        """Keep the residual small enough to enumerate: smallest groups go idle first."""
+        residual = {tp: c for tp, c in residual.items() if c > 0}
+        while sum(residual.values()) > RESIDUAL_GROUPS:
+            smallest = min(residual)
+            residual[smallest] -= 1
+            if residual[smallest] == 0:
+                del residual[smallest]
+        return residual
+
+    def _bulk_options(self, pool: dict[int, int], max_stages: int
+                      ) -> list[list[tuple[PipelineShape, int]]]:
+        """Uniform pipelines for the plentiful sizes: the best stage count per size, and
+        (to let the residual decide) no bulk at all for each size in turn."""
+        bulk: list[tuple[PipelineShape, int]] = []
+        for tp in sorted(pool, reverse=True):
+            best_s, best_choice = math.inf, None
+            for n in range(1, max_stages + 1):
+                shape = self.book.best((tp,) * n)
+                copies = (pool[tp] - BULK_RESERVE * n) // n
+                if shape is None or copies <= 0:
+                    continue
+                # continuous estimate of the step time if all these groups ran this shape
+                pipes = pool[tp] // n
+                estimate = (self.cost.total_micro_batches + pipes * (n - 1)) \
+                    * shape.bottleneck_s / pipes
+                if estimate < best_s:
+                    best_s, best_choice = estimate, (shape, copies)
+            if best_choice is not None:
+                bulk.append(best_choice)
+        options = [bulk]
+        if len(bulk) > 1:
+            options += [bulk[:i] + bulk[i + 1:] for i in range(len(bulk))]
+        return options
+
+
+# ----- pools ----------------------------------------------------------------------------
+def greedy_partitions(alive: int, sizes: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """For each cap, the node cut greedily into the largest groups up to that cap."""
+    out = []
+    for cap in sorted(sizes, reverse=True):
+        rest, partition = alive, []
+        for size in sorted((s for s in sizes if s <= cap), reverse=True):
+            while rest >= size:
+                partition.append(size)
+                rest -= size
+        if tuple(partition) not in out:
+            out.append(tuple(partition))
+    return out
+
+
+def _class_options(nodes: list[int], partitions: list[tuple[int, ...]], exact: bool
+                   ) -> list[tuple[tuple[int, tuple[int, ...]], ...]]:
+    """Ways to cut a class of equally alive nodes into groups: every mix of partitions
+    when ``exact``, else one partition for all of them."""
+    if exact:
+        combos = itertools.combinations_with_replacement(partitions, len(nodes))
+    else:
+        combos = ((p,) * len(nodes) for p in partitions)
+    return [tuple(zip(nodes, combo)) for combo in combos]
+
+
+def search(cost: CostModel, alive_by_node: dict[int, int], tp_sizes: tuple[int, ...]
+           ) -> Candidate | None:
+    """Best candidate for ``alive_by_node`` (node -> alive GPU count) over ``tp_sizes``."""
+    classes: dict[int, list[int]] = {}
+    for node, alive in sorted(alive_by_node.items()):
+        if alive > 0:
+            classes.setdefault(alive, []).append(node)
+    exact = sum(alive_by_node.values()) <= EXACT_CLUSTER_GPUS
+    parts = {alive: (node_partitions if exact or len(nodes) <= FEW_NODES else greedy_partitions)(
+                 alive, tuple(t for t in tp_sizes if t <= alive))
+             for alive, nodes in classes.items()}
+    best: Candidate | None = None
+
+    # a single node: intra-node links
+    book = ShapeBook(cost, intra_node=True)
+    pool_search = PoolSearch(cost, book)
+    for alive, nodes in classes.items():
+        for partition in parts[alive]:
+            best = pool_search.search(Counter(partition), ((nodes[0], partition),),
+                                      best) or best
+    # the whole cluster: inter-node links
+    if len(alive_by_node) > 1 and sum(len(n) for n in classes.values()) > 1:
+        book = ShapeBook(cost, intra_node=False)
+        pool_search = PoolSearch(cost, book)
+        options = [_class_options(nodes, parts[alive], exact) for alive, nodes in classes.items()]
+        for choice in itertools.product(*options):
+            partitions = tuple(sorted(p for cls in choice for p in cls))
+            pool = Counter(tp for _, partition in partitions for tp in partition)
+            best = pool_search.search(pool, partitions, best) or best
+    if best is not None:
+        log.info("planner: best of the search %.4f s/step on %d GPUs in %d pipelines",
+                 best.step_s, best.gpus, len(best.pipelines))
+    return best
