@@ -1,8 +1,13 @@
-"""Assertions shared by the checkpoint tests: write plans and read amplification."""
+"""Helpers shared by the checkpoint tests: write-plan and read-amplification checks,
+and small file systems for full-disk cases."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import subprocess
+from pathlib import Path
+from typing import Iterator
 
 MAX_IMBALANCE = 1.25
 MAX_READ_AMPLIFICATION = 1.1
@@ -34,3 +39,18 @@ def assert_balanced(bytes_by_rank: dict) -> None:
 
 def amplification(bytes_read: int, bytes_needed: int) -> float:
     return bytes_read / bytes_needed
+
+
+@contextlib.contextmanager
+def small_tmpfs(where: Path, size: str) -> Iterator[str | None]:
+    """Mount a ``size`` tmpfs on ``where`` for a real ENOSPC; yields None when mounted,
+    else why not (mounting needs root), so the caller can skip with that reason."""
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                            str(where)], capture_output=True, text=True)
+    if mount.returncode:
+        yield f"cannot mount a {size} tmpfs: {mount.stderr.strip() or 'not permitted'}"
+        return
+    try:
+        yield None
+    finally:
+        subprocess.run(["umount", str(where)], check=False)

@@ -8,24 +8,19 @@ ENOSPC at the storage layer.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
+from tests.checkpoint_checks import small_tmpfs
 from tests.conftest import run_world
 
 
 @pytest.fixture(scope="module")
 def small_fs(tmp_path_factory):
-    """A 2 MB tmpfs, or None (with the reason) where mounting is not permitted."""
+    """A 2 MB tmpfs, or None with the reason it could not be mounted."""
     where = tmp_path_factory.mktemp("small_fs")
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(where)],
-                           capture_output=True, text=True)
-    if mount.returncode:
-        yield None, f"cannot mount a 2 MB tmpfs ({mount.stderr.strip() or 'not root'})"
-        return
-    yield where, None
-    subprocess.run(["umount", str(where)], check=False)
+    with small_tmpfs(where, "2M") as why_not:
+        yield (None, why_not) if why_not else (where, None)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Crash safety of asynchronous saves in real training runs (``elastor train``).
+"""Faults during asynchronous saves of real training runs (``elastor train``).
 
 A worker is SIGKILLed from outside at chosen moments of a background save; torchrun
 then tears the world down. Afterwards the previous committed step must load (every
@@ -8,7 +8,8 @@ listed, and the next ``--load`` start must delete the partial ``.tmp_`` director
 Run 1 (saves every 2 steps) is killed in rank 0, the committer, as soon as the
 temporary directory of step 4 appears. Run 2 resumes (saves every 3 steps) and is
 killed in rank 0 once rank 1 has declared its part of step 6 durable, before the
-commit.
+commit. A third run saves onto a file system with room for one step only and, with
+``--on-save-error continue``, trains to the end.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import psutil
 import pytest
 
 from elastor_mcore import checkpoint as ck
+from tests.checkpoint_checks import small_tmpfs
 from tests.conftest import REPO, TINY
 
 STEPS = "8"
@@ -112,3 +114,25 @@ def test_killed_saves_leave_the_previous_step_and_are_cleaned(tmp_path):
     else:
         assert tmp6.exists() and ck.latest_step(root) == 3
     assert_loads(root, ck.latest_step(root))
+
+
+@pytest.mark.timeout(600)
+def test_full_disk_with_continue_trains_to_the_end(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    with small_tmpfs(root, "10M") as why_not:  # one tiny-llama step takes ~7 MB
+        if why_not:
+            pytest.skip(why_not)
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        run = subprocess.run(
+            [sys.executable, "-m", "elastor_mcore.cli", "train", "--recipe", str(TINY),
+             "--layout", "dp2-tp1-pp1", "--steps", "6", "--save", str(root),
+             "--save-interval", "2", "--on-save-error", "continue"],
+            capture_output=True, text=True, env=env, cwd=REPO, timeout=500)
+        output = run.stdout + run.stderr
+        assert run.returncode == 0, output[-4000:]
+        assert "step     6" in output
+        assert "No space left on device" in output and "Training continues" in output
+        assert ck.committed_steps(root) == [2]
+        assert not any(p.name.startswith(".tmp_") for p in root.iterdir())
+        assert_loads(root, 2)
