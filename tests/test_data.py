@@ -8,6 +8,7 @@ runtime would, without launching distributed training.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -354,3 +355,24 @@ def test_demo_data_is_made_from_local_python_sources(tmp_path):
     texts = list(iter_texts(resolve_corpus(cfg.paths), "fail"))
     assert len(texts) > 10 and sum(map(len, texts)) > 0.2e6
     assert prepare_demo_data(tmp_path, RECIPE, max_mb=0.3) == cfg   # made once, then reused
+
+
+def _tool(name: str):
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_corpus_and_indexed_dataset_tools(tmp_path, corpus, capsys):
+    assert _tool("make_corpus").main(["--out", str(tmp_path / "c"), "--max-mb", "0.1"]) == 0
+    assert len(list(iter_texts(resolve_corpus([tmp_path / "c"]), "fail"))) > 5
+    build = _tool("build_indexed_dataset").main
+    prefix = tmp_path / "idx" / "corpus"
+    assert build(["--data", *corpus.paths, "--tokenizer", corpus.tokenizer, "--out", str(prefix),
+                  "--workers", "1"]) == 0
+    assert prefix.with_suffix(".bin").is_file() and prefix.with_suffix(".idx").is_file()
+    assert build(["--data", str(tmp_path / "nope"), "--tokenizer", corpus.tokenizer,
+                  "--out", str(prefix)]) == 2
+    assert "does not exist" in capsys.readouterr().err
