@@ -72,12 +72,13 @@ class HangPolicy:
     """Silence allowed between two beats once the rank is stepping."""
 
     def silent_slots(self, slots: list[int], beats: dict[int, Beat], launched_at: float,
-                     now: float) -> list[int]:
-        """Slots whose rank has been silent longer than its phase allows."""
+                     now: float, last_step: int) -> list[int]:
+        """Slots whose rank has been silent longer than its phase allows. A rank past
+        ``last_step`` only finishes its last save and exits: the generous limit applies."""
         silent = []
         for slot in slots:
             beat = beats.get(slot)
-            if beat is None or not beat.stepping:
+            if beat is None or not beat.stepping or beat.step >= last_step:
                 if now - (beat.time if beat else launched_at) > self.startup_timeout_s:
                     silent.append(slot)
             elif now - beat.time > self.timeout_s:

@@ -36,21 +36,22 @@ def probe_cuda(devices: Iterable[int], timeout_s: float = 60.0,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                          start_new_session=True)
     deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
+        time.sleep(0.05)
     alive = []
     for device, proc in procs.items():
-        try:
-            _, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
             log.warning("device %d: probe did not finish in %.0f s; counted dead",
                         device, timeout_s)
-            continue
-        if proc.returncode == 0:
+        elif proc.returncode == 0:
             alive.append(device)
         else:
+            err = proc.stderr.read().decode(errors="replace").strip().splitlines()
             log.warning("device %d: probe failed (exit %d): %s", device, proc.returncode,
-                        err.decode(errors="replace").strip().splitlines()[-1:] or "")
+                        err[-1] if err else "")
+        proc.stderr.close()
     return sorted(alive)
 
 

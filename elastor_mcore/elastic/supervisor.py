@@ -264,7 +264,8 @@ class Supervisor:
             if died:  # faster than waiting for torchrun to notice and tear down
                 record.outcome, record.died_slots = "exit", died
                 break
-            silent = cfg.hang.silent_slots(record.slots, beats, record.launched_at, time.time())
+            silent = cfg.hang.silent_slots(record.slots, beats, record.launched_at, time.time(),
+                                           cfg.steps)
             if silent:
                 record.outcome, record.silent_slots = "hang", silent
                 break

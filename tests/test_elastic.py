@@ -1,0 +1,133 @@
+"""Recovery end to end, on CPU slots: ``elastor launch`` through a kill and a hang
+(4 -> 3 -> 2 slots) ends with the weights and losses of an uninterrupted run; a
+failure that leaves too few slots gives up with a clear message and keeps the last
+checkpoint. One supervised run serves the recovery tests (worlds cost seconds each).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from elastor_mcore import checkpoint
+from elastor_mcore.elastic.report import read_metrics
+from tests.conftest import REPO, TINY, run_world
+
+STEPS = 8
+SAVE_INTERVAL = 2
+TOLERANCE = 1e-5
+KILL = {"step": 4, "slot": 1, "kind": "kill"}
+HANG = {"step": 7, "slot": 3, "kind": "hang"}
+CPU_SLOTS = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
+
+
+def elastor_launch(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-m", "elastor_mcore.cli", "launch", *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def write_yaml(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def relative(got, ref) -> float:
+    """The training tests' metric: max abs difference over the reference's max abs."""
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same steps uninterrupted on one process, saved at the end."""
+    out = tmp_path_factory.mktemp("reference")
+    run_world(1, "elastor_mcore.worker",
+              ["--recipe", str(TINY), "--layout", "dp1-tp1-pp1", "--steps", str(STEPS),
+               "--metrics-out", str(out / "metrics.jsonl"), "--save", str(out / "ckpt"),
+               "--save-interval", str(STEPS)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def recovered(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("elastic")
+    plan = write_yaml(tmp / "failures.yaml", {"failures": [KILL, HANG]})
+    run_dir = tmp / "run"
+    result = elastor_launch(
+        ["--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--slots", "4",
+         "--steps", str(STEPS), "--run-dir", str(run_dir), "--save-interval",
+         str(SAVE_INTERVAL), "--failure-plan", plan, "--heartbeat-timeout", "20",
+         "--devices", "cpu"])
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return run_dir, json.loads((run_dir / "timeline.json").read_text()), result.stdout
+
+
+@pytest.mark.timeout(900)
+def test_kill_and_hang_are_each_recovered_from(recovered):
+    _, timeline, stdout = recovered
+    launches = timeline["launches"]
+    assert [l["slots"] for l in launches] == [[0, 1, 2, 3], [0, 2, 3], [0, 2]]
+    assert [l["outcome"] for l in launches] == ["exit", "hang", "finished"]
+    kill, hang = timeline["recoveries"]
+    assert kill["failure"] == "kill of slot 1 at step 4"
+    assert hang["failure"] == "hang of slot 3 at step 7"
+    assert "heartbeat" in hang["detected_by"]
+    for r, failed_at in ((kill, KILL["step"]), (hang, HANG["step"])):
+        assert r["resumed_from"] is None or (r["resumed_from"] % SAVE_INTERVAL == 0
+                                             and r["resumed_from"] < failed_at)
+        for phase in ("detect_s", "stop_s", "probe_s", "plan_s", "relaunch_s", "load_s",
+                      "first_step_s", "total_s"):
+            assert r[phase] is not None and r[phase] >= 0, (phase, r)
+    assert "finished 8 steps after 2 recoveries" in stdout
+
+
+@pytest.mark.timeout(900)
+def test_every_step_matches_the_uninterrupted_run(recovered, reference):
+    run_dir, timeline, _ = recovered
+    expected = {m["step"]: m["loss"] for m in read_metrics(reference / "metrics.jsonl")}
+    steps = []
+    for launch in timeline["launches"]:
+        for m in read_metrics(f"{launch['dir']}/metrics.jsonl"):
+            steps.append(m["step"])
+            assert abs(m["loss"] - expected[m["step"]]) / abs(expected[m["step"]]) <= TOLERANCE
+    assert set(steps) == set(range(1, STEPS + 1))
+
+
+@pytest.mark.timeout(900)
+def test_final_weights_equal_the_uninterrupted_run(recovered, reference):
+    run_dir, _, _ = recovered
+    got, want = checkpoint.open(run_dir / "checkpoints"), checkpoint.open(reference / "ckpt")
+    assert got.manifest.step == want.manifest.step == STEPS
+    keys = [t.name for t in want.tensors()]
+    assert sorted(t.name for t in got.tensors()) == sorted(keys)
+    for key in keys:
+        diff = relative(got.read(key), want.read(key))
+        assert diff <= TOLERANCE, f"{key}: relative difference {diff:.2e}"
+
+
+@pytest.mark.timeout(600)
+def test_too_few_survivors_give_up_and_keep_the_last_checkpoint(tmp_path):
+    """A profile whose slots are so small that the tiny model needs both of them."""
+    profile = yaml.safe_load(CPU_SLOTS.read_text())
+    profile.update(memory_per_gpu_gib=0.005, memory_reserved_gib=0.0)
+    hardware = write_yaml(tmp_path / "small-slots.yaml", profile)
+    plan = write_yaml(tmp_path / "failures.yaml", [{"step": 3, "slot": 1, "kind": "kill"}])
+    run_dir = tmp_path / "run"
+    # Synchronous saves: step 2 is committed before step 3 begins.
+    result = elastor_launch(
+        ["--recipe", str(TINY), "--hardware", hardware, "--slots", "2", "--steps", "4",
+         "--run-dir", str(run_dir), "--save-interval", "2", "--no-async-save",
+         "--failure-plan", plan, "--devices", "cpu"])
+    assert result.returncode == 1, result.stdout[-5000:] + result.stderr[-5000:]
+    assert ("gave up: the 1 surviving slots [0] cannot hold the model: tiny-llama does not "
+            "fit on 1 alive GPUs") in result.stdout
+    kept = checkpoint.open(run_dir / "checkpoints")
+    assert kept.manifest.step == 2
+    for info in kept.tensors():
+        assert kept.read(info.name).isfinite().all()
+    timeline = json.loads((run_dir / "timeline.json").read_text())
+    assert len(timeline["launches"]) == 1
+    assert timeline["recoveries"][0]["slots_after"] is None
