@@ -15,6 +15,7 @@ setup(
         "numpy",
         "psutil",
         "tokenizers>=0.21",
+        "matplotlib",  # elastor demo's loss.png
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout"],
