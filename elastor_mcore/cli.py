@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "elastor_mcore.commands.convert",
     "elastor_mcore.commands.launch",
     "elastor_mcore.commands.demo",
+    "elastor_mcore.commands.plan",
 ]
 
 
