@@ -68,7 +68,7 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
         num_attention_heads=heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else heads,
         ffn_hidden_size=args.ffn_hidden_size,
-        vocab_size=args.padded_vocab_size,
+        vocab_size=args.padded_vocab_size or args.vocab_size,
         seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings,
         rotary_base=int(args.rotary_base),
@@ -87,6 +87,11 @@ def options_from_args(args: argparse.Namespace) -> ElastorOptions:
     if args.elastor_ckpt_keep < 0:
         raise ValueError(f"--elastor-ckpt-keep={args.elastor_ckpt_keep}: use 0 (keep all) "
                          f"or a positive count")
+    ckpt_format = getattr(args, "ckpt_format", "torch_dist")
+    if args.elastor_ckpt_format and ckpt_format != "torch_dist":
+        raise ValueError(f"--elastor-ckpt-format {args.elastor_ckpt_format} replaces the "
+                         f"torch_dist backend; drop --ckpt-format {ckpt_format} (the default, "
+                         f"torch_dist, is needed)")
     recipe = recipe_from_args(args)
     layout = load_layout(args.elastor_layout, recipe) if args.elastor_layout else None
     split = tuple(args.elastor_split_sizes or recipe.model.valid_tp_sizes)

@@ -192,7 +192,7 @@ def megatron_namespace(**overrides) -> argparse.Namespace:
                   micro_batch_size=1, seed=1234, bf16=False, rank=0,
                   tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   virtual_pipeline_model_parallel_size=None,
-                  pipeline_model_parallel_layout=None)
+                  pipeline_model_parallel_layout=None, vocab_size=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -213,6 +213,8 @@ def test_add_elastor_args_and_options(tmp_path):
     assert options.save.manifest_extra["model"]["vocab_size"] == 500
     with pytest.raises(SystemExit):
         parser.parse_args(["--elastor-ckpt-format", "torch_dist"])
+    with pytest.raises(ValueError, match="--ckpt-format torch"):
+        options_from_args(megatron_namespace(**vars(parsed), ckpt_format="torch"))
 
 
 def test_adapt_args_rewrites_the_rank_to_its_stage():
