@@ -123,6 +123,13 @@ class CostModel:
         self._act_bytes = self._param_bytes
         self._measured = hardware.measured_layer_ms.get(recipe.name, {})
         self.capacity_bytes = (hardware.memory_per_gpu_gib - hardware.memory_reserved_gib) * GIB
+        self._memo: dict[tuple, float | int] = {}
+
+    def _memoised(self, key: tuple, compute) -> float | int:
+        """The search asks for the same few stage slots many times."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     # ----- sizes ------------------------------------------------------------------------
     @cached_property
@@ -166,7 +173,8 @@ class CostModel:
         """Time one layer adds to a stage per micro-batch (measured when the profile has it)."""
         if tp in self._measured:
             return self._measured[tp] / 1000
-        return self.layer_compute_s(tp) + self.layer_tp_comm_s(tp)
+        return self._memoised(("layer", tp),
+                              lambda: self.layer_compute_s(tp) + self.layer_tp_comm_s(tp))
 
     def output_layer_compute_s(self, tp: int) -> float:
         return 3 * 2 * self._b * self._s * self._h * self._v / self._flops_rate(tp)
@@ -189,9 +197,11 @@ class CostModel:
     def stage_fixed_s(self, tp: int, position: int, num_stages: int, intra_node: bool) -> float:
         """Time of a stage that does not scale with its layers: embedding/output, P2P."""
         first, last = position == 0, position == num_stages - 1
-        return ((self.output_layer_compute_s(tp) if last else 0.0)
-                + self._embedding_comm_s(tp, first, last)
-                + self._neighbours(position, num_stages) * self.p2p_s(intra_node))
+        return self._memoised(
+            ("fixed", tp, first, last, intra_node),
+            lambda: ((self.output_layer_compute_s(tp) if last else 0.0)
+                     + self._embedding_comm_s(tp, first, last)
+                     + self._neighbours(position, num_stages) * self.p2p_s(intra_node)))
 
     def grad_sync_s(self, num_pipelines: int, min_pipeline_gpus: int, intra_node: bool) -> float:
         """Cross-pipeline gradient all-reduce (ring over the pipelines)."""
@@ -247,11 +257,14 @@ class CostModel:
 
     def max_layers(self, tp: int, position: int, num_stages: int) -> int:
         """Most layers a stage can hold in memory (0 if not even its fixed part fits)."""
-        fixed = self.stage_memory(tp, 0, position, num_stages)
-        room = self.capacity_bytes - (fixed.total - fixed.reserved)
-        if room < 0:
-            return 0
-        return int(room // self.layer_memory_bytes(tp, position, num_stages))
+        first, last = position == 0, position == num_stages - 1
+        fixed = self._memoised(("fixed_bytes", tp, first, last), lambda: (
+            self.stage_memory(tp, 0, position, num_stages).total
+            - self.hardware.memory_reserved_gib * GIB))
+        per_layer = self._memoised(("layer_bytes", tp, num_stages - position),
+                                   lambda: self.layer_memory_bytes(tp, position, num_stages))
+        room = self.capacity_bytes - fixed
+        return 0 if room < 0 else int(room // per_layer)
 
     # ----- whole stages / layouts ------------------------------------------------------
     def stage_cost(self, tp: int, layers: int, position: int, num_stages: int,
