@@ -21,6 +21,7 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "te": ["transformer-engine[pytorch]"],
         "hf": ["transformers", "safetensors"],
+        "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["elastor=elastor_mcore.cli:main"]},
 )
