@@ -71,6 +71,11 @@ def kill_when(args: list[str], log: Path, moment: Callable[[], bool], victim: in
             proc.kill()
 
 
+def partial(root: Path, step: int) -> Path | None:
+    """The temporary directory of an uncommitted save of ``step`` (``.tmp_step_N.<token>``)."""
+    return next(root.glob(f".tmp_step_{step:08d}.*"), None)
+
+
 def assert_loads(root: Path, step: int) -> None:
     reader = ck.open(root)
     assert reader.manifest.step == step
@@ -84,21 +89,21 @@ def test_killed_saves_leave_the_previous_step_and_are_cleaned(tmp_path):
     common = ["--recipe", str(TINY), "--layout", "dp2-tp1-pp1", "--steps", STEPS,
               "--save", str(root)]
 
-    tmp4 = root / ".tmp_step_00000004"
     kill_when(common + ["--save-interval", "2"], tmp_path / "run1.log",
-              moment=tmp4.exists, victim=0)
-    assert ck.committed_steps(root) == [2] and tmp4.exists()
+              moment=lambda: partial(root, 4) is not None, victim=0)
+    tmp4 = partial(root, 4)
+    assert ck.committed_steps(root) == [2] and tmp4 is not None
     assert_loads(root, 2)
 
-    tmp3, tmp6 = root / ".tmp_step_00000003", root / ".tmp_step_00000006"
     committed_before_kill = []
 
     def stale_removed_at_start() -> None:
-        if tmp3.exists():
+        if partial(root, 3) is not None:
             assert not tmp4.exists(), "the restarted run did not remove the partial save"
 
     def rank1_durable() -> bool:
-        if (tmp6 / "done.rank1").exists():
+        tmp6 = partial(root, 6)
+        if tmp6 is not None and (tmp6 / "done.rank1").exists():
             committed_before_kill.append((root / "step_00000006").exists())
             return True
         return False
@@ -110,9 +115,9 @@ def test_killed_saves_leave_the_previous_step_and_are_cleaned(tmp_path):
     committed = ck.committed_steps(root)
     assert 3 in committed
     if 6 in committed:  # the commit won the race against the kill: step 6 is whole
-        assert not tmp6.exists()
+        assert partial(root, 6) is None
     else:
-        assert tmp6.exists() and ck.latest_step(root) == 3
+        assert partial(root, 6) is not None and ck.latest_step(root) == 3
     assert_loads(root, ck.latest_step(root))
 
 

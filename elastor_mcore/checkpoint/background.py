@@ -5,6 +5,9 @@ same process groups, and gloo/NCCL order collectives per group, so two threads o
 group deadlock or mix up their messages. Ranks therefore talk through the file
 system only:
 
+* the temporary directory's name carries a token the coordinator chose for this save,
+  so no rank can mistake a stale directory of an earlier, interrupted save for it;
+  the coordinator first removes such stale ``.tmp_*`` entries;
 * every writer writes its units from the staged copies, then a marker in the step's
   temporary directory: ``done.rank<N>`` once its files are durable (TensorStore
   fsyncs each file), or ``failed.rank<N>`` holding the error;
@@ -29,7 +32,7 @@ from typing import Any, Callable
 from elastor_mcore.checkpoint.format import CheckpointError
 from elastor_mcore.checkpoint.plan import WritePlan
 from elastor_mcore.checkpoint.writer import (
-    Sources, commit, fsync_dir, remove, write_durably, write_share)
+    Sources, commit, fsync_dir, remove, remove_stale, write_durably, write_share)
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,8 @@ class BackgroundSave:
         job = self.job
         start = time.perf_counter()
         try:
+            if job.coordinator:
+                remove_stale(job.tmp.parent, keep=job.tmp.name)
             write_share(job.tmp, job.plan, job.sources, job.coordinator)
         except BaseException as exc:  # reported through the marker and join()
             self.error = exc
@@ -111,6 +116,7 @@ def _mark_failed(tmp: Path, rank: int, exc: BaseException) -> None:
     not fit."""
     marker = failed_marker(tmp, rank)
     try:
+        tmp.mkdir(parents=True, exist_ok=True)
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, f"{type(exc).__name__}: {exc}".encode())

@@ -43,11 +43,20 @@ def all_gather(value: Any, group=None) -> list[Any]:
 
 def agree(error: BaseException | None, what: str, group=None) -> None:
     """Raise ``CheckpointError`` on every rank if any rank's ``error`` is set."""
-    message = None if error is None else f"rank {global_rank()}: {error}"
-    failures = [m for m in all_gather(message, group) if m is not None]
+    check(all_gather(describe(error), group), what, error)
+
+
+def describe(error: BaseException | None) -> str | None:
+    """This rank's contribution to ``check``."""
+    return None if error is None else f"rank {global_rank()}: {error}"
+
+
+def check(messages: list[str | None], what: str, cause: BaseException | None = None) -> None:
+    """Raise ``CheckpointError`` naming every rank whose gathered message is set."""
+    failures = [m for m in messages if m is not None]
     if failures:
         raise CheckpointError(f"{what} failed on {len(failures)} rank(s): "
-                              + " | ".join(failures)) from error
+                              + " | ".join(failures)) from cause
 
 
 def gather_infos(local: list[ShardInfo], group=None) -> dict[int, list[ShardInfo]]:

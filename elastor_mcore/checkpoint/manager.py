@@ -2,9 +2,9 @@
 for a save that falls due while another is still being written and for a save that
 fails.
 
-An asynchronous ``save`` blocks only for a few small collectives and a copy of the
-rank's units into reused host buffers (``staging``); the writes and the commit run in
-the background (``background``). At most one save is in flight. It is finished (its
+An asynchronous ``save`` blocks only for one small collective (plus one gather of
+shard boxes the first time) and a copy of the rank's units into reused host buffers
+(``staging``); the writes and the commit run in the background (``background``). At most one save is in flight. It is finished (its
 error, if any, raised or logged on every rank, by ``SavePolicy.on_error``) by the
 next ``save``, by ``wait`` or by ``close``, which every rank of the group calls
 together.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,8 @@ from elastor_mcore.checkpoint.format import (
     CheckpointError, ChunkPolicy, latest_step, step_dir_name, tmp_name)
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
 from elastor_mcore.checkpoint.staging import HostStaging
-from elastor_mcore.checkpoint.writer import (
-    check_step, open_tmp, point_latest, unit_sources, validate)
+from elastor_mcore.sharding import ShardInfo
+from elastor_mcore.checkpoint.writer import check_step, point_latest, unit_sources, validate
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,20 @@ class SavePolicy:
         if self.commit_timeout_s <= 0:
             raise CheckpointError(f"SavePolicy.commit_timeout_s must be positive, got "
                                   f"{self.commit_timeout_s}")
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """What each rank contributes to the one collective of an asynchronous save."""
+
+    previous_error: str | None
+    """How this rank's part of the previous save failed, if it did."""
+    error: str | None
+    """Why this rank's shards or manifest cannot be saved, if so."""
+    digest: str
+    """Of this rank's shard geometry: the cached plan holds while no digest changes."""
+    token: str | None
+    """The coordinator's name for this save's temporary directory."""
 
 
 @dataclass(frozen=True)
@@ -110,77 +125,70 @@ class CheckpointManager:
             except CheckpointError as exc:
                 self._failed(exc, step)
             return SaveReport(step, time.perf_counter() - start)
-        if self._job is not None:
-            if self.policy.when_busy == "skip" and any(comm.all_gather(self.in_flight,
-                                                                       self.group)):
-                log.warning("skipping the save of step %d: the save of step %d is still "
-                            "being written (when_busy='skip')", step, self._job.job.step)
-                return SaveReport(step, time.perf_counter() - start, skipped=True)
-            self._finish()
+        if (self._job is not None and self.policy.when_busy == "skip"
+                and any(comm.all_gather(self.in_flight, self.group))):
+            log.warning("skipping the save of step %d: the save of step %d is still being "
+                        "written (when_busy='skip')", step, self._job.job.step)
+            return SaveReport(step, time.perf_counter() - start, skipped=True)
         self._job = self._start(step, shards, manifest_extra)
         return SaveReport(step, time.perf_counter() - start)
 
     def wait(self) -> None:
         """Finish the save in flight, if any (every rank of the group, together)."""
         if self._job is not None:
-            self._finish()
+            job, self._job = self._job, None
+            error = job.join()
+            self._settle(job, comm.all_gather(comm.describe(error), self.group))
 
     def close(self) -> None:
         self.wait()
 
     def _start(self, step: int, shards: Sequence[LocalShard],
-               manifest_extra: dict[str, Any] | None) -> BackgroundSave | None:
-        """The blocking part: plan (cached), stage, open the temporary directory.
-        Bad shards raise; a file-system error is a failed save (``on_error``)."""
-        path = self.root / step_dir_name(step)
-        tmp = self.root / tmp_name(path.name)
-        what = f"checkpoint save of step {step} to {path}"
+               manifest_extra: dict[str, Any] | None) -> BackgroundSave:
+        """The blocking part: finish the previous save, agree (one collective), plan
+        (cached), stage, and hand the rest to a background thread."""
+        previous, self._job = self._job, None
+        previous_error = previous.join() if previous is not None else None
         coordinator = comm.is_coordinator(self.group)
         error = None
         try:
             validate(shards, step, manifest_extra, coordinator)
         except CheckpointError as exc:
             error = exc
-        comm.agree(error, what, self.group)
-        plan = self._plan(shards)
+        infos = [s.info() for s in shards]
+        gathered: list[_Exchange] = comm.all_gather(_Exchange(
+            previous_error=comm.describe(previous_error), error=comm.describe(error),
+            digest=hashlib.sha1(repr(infos).encode()).hexdigest(),
+            token=secrets.token_hex(4) if coordinator else None), self.group)
+        if previous is not None:
+            self._settle(previous, [g.previous_error for g in gathered])
+        path = self.root / step_dir_name(step)
+        comm.check([g.error for g in gathered], f"checkpoint save of step {step} to {path}",
+                   error)
+        plan = self._plan(infos, [g.digest for g in gathered])
         rank = comm.global_rank()
         staged = self._staging.stage(unit_sources(plan.units_of(rank), shards))
-        error = None
-        if coordinator:
-            try:
-                open_tmp(tmp, clean_root=True)
-            except OSError as exc:
-                error = exc
-        try:
-            comm.agree(error, what, self.group)
-        except CheckpointError as exc:
-            self._failed(exc, step)
-            return None
         keep, root = self.policy.keep, self.root
         return BackgroundSave(WriteJob(
-            step=step, tmp=tmp, path=path, plan=plan, sources=staged, rank=rank,
-            coordinator=coordinator, manifest_extra=manifest_extra,
-            on_commit=lambda: point_latest(root, step, keep),
+            step=step, tmp=self.root / tmp_name(f"{path.name}.{gathered[0].token}"),
+            path=path, plan=plan, sources=staged, rank=rank, coordinator=coordinator,
+            manifest_extra=manifest_extra, on_commit=lambda: point_latest(root, step, keep),
             timeout_s=self.policy.commit_timeout_s))
 
-    def _plan(self, shards: Sequence[LocalShard]) -> WritePlan:
+    def _plan(self, infos: list[ShardInfo], digests: list[str]) -> WritePlan:
         """The write plan; rebuilt (one gather of shard boxes) only when some rank's
         shards changed geometry, which a run's fixed layout never does."""
-        infos = [s.info() for s in shards]
-        digest = hashlib.sha1(repr(infos).encode()).hexdigest()
-        digests = comm.all_gather(digest, self.group)
         if self._plan_cache is not None and self._plan_cache[0] == digests:
             return self._plan_cache[1]
         plan = build_plan(comm.gather_infos(infos, self.group), self.chunking)
         self._plan_cache = (digests, plan)
         return plan
 
-    def _finish(self) -> None:
-        job, self._job = self._job, None
-        error = job.join()
+    def _settle(self, job: BackgroundSave, messages: list[str | None]) -> None:
+        """Apply ``on_error`` if any rank's part of ``job`` failed."""
         try:
-            comm.agree(error, f"checkpoint save of step {job.job.step} to {job.job.path}",
-                       self.group)
+            comm.check(messages, f"checkpoint save of step {job.job.step} to {job.job.path}",
+                       job.error)
         except CheckpointError as exc:
             if job.job.coordinator:
                 discard(job.job.tmp)  # every rank has joined: nobody writes there now

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -29,7 +30,7 @@ from elastor_mcore.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, ChunkPolicy, Manifest,
     TensorEntry, committed_steps, step_dir_name, tmp_name)
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, WriteUnit, build_plan
-from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
+from elastor_mcore.checkpoint.store import IO_CONCURRENCY, numpy_view, open_arrays, wait_all
 from elastor_mcore.sharding import local_view
 
 log = logging.getLogger(__name__)
@@ -142,8 +143,9 @@ def unit_sources(units: Sequence[WriteUnit], shards: Sequence[LocalShard]) -> So
 def write_share(tmp: Path, plan: WritePlan, sources: Sources, coordinator: bool) -> None:
     """One rank's part of the data: the coordinator also writes the group and array
     metadata. The others need not wait for it: they open the arrays with
-    ``assume_metadata`` and TensorStore creates the chunk directories."""
+    ``assume_metadata`` and TensorStore creates the directories."""
     if coordinator:
+        tmp.mkdir(parents=True, exist_ok=True)
         _create_metadata(tmp, plan.entries)
     _write_units(tmp, plan.entries, sources)
 
@@ -166,12 +168,13 @@ def point_latest(root: Path, step: int, keep: int) -> None:
     _prune(root, step, keep)
 
 
-def remove_stale(root: str | os.PathLike) -> None:
-    """Delete leftovers of interrupted saves and prunes (``.tmp_*``) under ``root``."""
+def remove_stale(root: str | os.PathLike, keep: str | None = None) -> None:
+    """Delete leftovers of interrupted saves and prunes (``.tmp_*``) under ``root``,
+    except the entry named ``keep`` (a save that is starting)."""
     root = Path(root)
     if root.is_dir():
         for entry in root.iterdir():
-            if entry.name.startswith(TMP_PREFIX):
+            if entry.name.startswith(TMP_PREFIX) and entry.name != keep:
                 log.info("removing stale %s", entry)
                 remove(entry)
 
@@ -210,8 +213,8 @@ def _write_units(tmp: Path, entries: dict[str, TensorEntry], sources: Sources) -
 
 
 def _commit(tmp: Path, path: Path, manifest: Manifest) -> None:
-    for directory, _, _ in os.walk(tmp):
-        fsync_dir(Path(directory))
+    with ThreadPoolExecutor(IO_CONCURRENCY) as pool:  # concurrent fsyncs share journal commits
+        list(pool.map(fsync_dir, (Path(d) for d, _, _ in os.walk(tmp))))
     write_durably(tmp / MANIFEST, manifest.to_json())
     replaced = None
     if path.exists():
