@@ -142,6 +142,11 @@ class CostModel:
         return self.recipe.model.parameter_count()
 
     @property
+    def model_state_bytes(self) -> float:
+        """Weights, gradients and optimizer state of the whole model."""
+        return self.total_params * self._state_bytes_per_param
+
+    @property
     def _message_bytes(self) -> float:
         """One micro-batch's hidden states: what crosses a stage boundary or a TP collective."""
         return self._b * self._s * self._h * self._act_bytes

@@ -28,9 +28,10 @@ How it is searched, and why each step is exact:
 4. **Packing pipelines.** Small pools (<= ``EXACT_POOL_GROUPS`` groups) enumerate every
    multiset of pipeline shapes that fits the pool, i.e. every number of pipelines and
    assignment of groups. Large pools first fill most groups of a plentiful size with
-   copies of the best uniform pipeline of that size (chosen by its predicted step time),
-   then enumerate packings of the small residual (partial nodes and a reserve of
-   plentiful groups, so residual pipelines may mix sizes).
+   copies of a uniform pipeline of that size (its two best stage counts by a continuous
+   estimate; all groups, or one pipeline's worth fewer), then enumerate packings of the
+   small residual (partial nodes and left-over plentiful groups, so residual pipelines
+   may mix sizes; past ``RESIDUAL_GROUPS`` the smallest groups stay idle).
 5. **Pools.** Nodes with equal alive counts form a class. Small clusters
    (<= ``EXACT_CLUSTER_GPUS``) try every mix of partitions within each class. Larger
    ones cut all nodes of a class alike: every partition for a class of few nodes
@@ -49,7 +50,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from elastor_mcore.planner.cost_model import CostModel
 
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 
 EXACT_POOL_GROUPS = 10
 """Pools with at most this many TP groups enumerate every packing."""
-RESIDUAL_GROUPS = 6
+RESIDUAL_GROUPS = 8
 """Groups left next to the uniform bulk of a large pool, whose packings are enumerated."""
 ALL_ORDERS_LIMIT = 30
 """Pipelines with at most this many distinct stage orders try them all."""
@@ -65,8 +66,8 @@ EXACT_CLUSTER_GPUS = 16
 """Clusters with at most this many alive GPUs try every partition of every node."""
 FEW_NODES = 2
 """In larger clusters, a class of at most this many nodes still tries every partition."""
-BULK_RESERVE = 2
-"""Groups of a plentiful size kept out of the uniform bulk, per stage of its pipeline."""
+BULK_SHAPES = 2
+"""Stage counts tried for the uniform bulk of each plentiful group size."""
 EXTRA_STAGES = 2
 """Large pools consider pipelines of up to (fewest stages that fit the model) + this."""
 REL_TOL = 1e-9
@@ -210,6 +211,24 @@ class ShapeBook:
                 heapq.heappush(heap, (a * (layers[j] + 1) + c, j))
         bottleneck = max(a * l + c for (a, c, _), l in zip(terms, layers))
         return tuple(layers), bottleneck
+
+    @cached_property
+    def _min_stages_memo(self) -> dict[int, int | None]:
+        return {}
+
+    def min_stages(self, tp: int) -> int | None:
+        """Fewest stages of TP degree ``tp`` that hold the model (None: no count does)."""
+        if tp not in self._min_stages_memo:
+            found = None
+            for n in range(1, self.cost.num_layers + 1):
+                caps = [self._stage(tp, j, n)[2] for j in range(n)]
+                if caps[0] < 1:  # the first stage only gets tighter with more stages
+                    break
+                if min(caps) >= 1 and sum(caps) >= self.cost.num_layers:
+                    found = n
+                    break
+            self._min_stages_memo[tp] = found
+        return self._min_stages_memo[tp]
 
     def _best(self, tps: tuple[int, ...]) -> PipelineShape | None:
         best: PipelineShape | None = None
@@ -368,20 +387,17 @@ class PoolSearch:
             min((s.gpus for s, _ in fixed), default=math.inf))
         return found
 
-    def _min_stages(self, tp: int) -> int | None:
-        for n in range(1, self.cost.num_layers + 1):
-            if self.book.best((tp,) * n) is not None:
-                return n
-        return None
-
     def search(self, pool: dict[int, int], partitions: tuple[tuple[int, tuple[int, ...]], ...],
                incumbent: Candidate | None) -> Candidate | None:
         """A candidate from this pool better than ``incumbent``, or None."""
         pool = {tp: c for tp, c in pool.items() if c > 0}
         groups = sum(pool.values())
+        gpus = sum(tp * c for tp, c in pool.items())
+        if gpus * self.cost.capacity_bytes < self.cost.model_state_bytes:
+            return None  # not even the weights, gradients and optimizer state fit
         if groups <= EXACT_POOL_GROUPS:
             return self._enumerate(pool, [], groups, partitions, incumbent)
-        min_stages = [n for tp in pool if (n := self._min_stages(tp)) is not None]
+        min_stages = [n for tp in pool if (n := self.book.min_stages(tp)) is not None]
         if not min_stages:
             return None
         max_stages = min(min_stages) + EXTRA_STAGES
@@ -408,28 +424,27 @@ class PoolSearch:
 
     def _bulk_options(self, pool: dict[int, int], max_stages: int
                       ) -> list[list[tuple[PipelineShape, int]]]:
-        """Uniform pipelines for the plentiful sizes: the best stage count per size, and
-        (to let the residual decide) no bulk at all for each size in turn."""
-        bulk: list[tuple[PipelineShape, int]] = []
+        """Uniform pipelines for each plentiful size: its two best stage counts (by the
+        continuous step-time estimate), with all its groups or one pipeline's worth
+        fewer in the bulk (the residual may do better with them)."""
+        per_size = []
         for tp in sorted(pool, reverse=True):
-            best_s, best_choice = math.inf, None
-            for n in range(1, max_stages + 1):
+            if pool[tp] <= RESIDUAL_GROUPS:
+                continue
+            ranked = []
+            for n in range(1, min(max_stages, pool[tp]) + 1):
                 shape = self.book.best((tp,) * n)
-                copies = (pool[tp] - BULK_RESERVE * n) // n
-                if shape is None or copies <= 0:
+                if shape is None:
                     continue
-                # continuous estimate of the step time if all these groups ran this shape
                 pipes = pool[tp] // n
                 estimate = (self.cost.total_micro_batches + pipes * (n - 1)) \
                     * shape.bottleneck_s / pipes
-                if estimate < best_s:
-                    best_s, best_choice = estimate, (shape, copies)
-            if best_choice is not None:
-                bulk.append(best_choice)
-        options = [bulk]
-        if len(bulk) > 1:
-            options += [bulk[:i] + bulk[i + 1:] for i in range(len(bulk))]
-        return options
+                ranked.append((estimate, n, shape))
+            choices = [(shape, copies) for _, n, shape in sorted(ranked)[:BULK_SHAPES]
+                       for copies in (pool[tp] // n, pool[tp] // n - 1) if copies > 0]
+            if choices:
+                per_size.append(choices)
+        return [list(combo) for combo in itertools.product(*per_size)]
 
 
 # ----- pools ----------------------------------------------------------------------------
