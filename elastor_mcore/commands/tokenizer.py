@@ -52,7 +52,8 @@ def run_train(args: argparse.Namespace) -> int:
               f"{sum(f.size for f in files) / 1e6:.1f} MB"
               + (f" (first {args.max_mb:g} MB of text)" if args.max_mb else "") + " ...",
               flush=True)
-        tokenizer = train_tokenizer(_first_megabytes(texts, args.max_mb), args.vocab_size, args.out)
+        tokenizer = train_tokenizer(_first_megabytes(texts, args.max_mb), args.vocab_size, args.out,
+                                    show_progress=sys.stderr.isatty())
     except DataError as exc:
         print(f"elastor tokenizer train: {exc}", file=sys.stderr)
         return 2

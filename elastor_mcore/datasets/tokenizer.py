@@ -70,11 +70,13 @@ def load_tokenizer(directory: str | Path) -> TextTokenizer:
     return TextTokenizer(directory)
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> TextTokenizer:
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path,
+                    show_progress: bool = False) -> TextTokenizer:
     """Learn a byte-level BPE of ``vocab_size`` ids (EOS included) from ``texts``.
 
     Byte-level means every string is encodable, so no unknown token is needed and the
-    vocabulary can be as small as 257.
+    vocabulary can be as small as 257. ``show_progress`` draws the library's progress
+    bars on the terminal (for command-line use).
     """
     if vocab_size < MIN_VOCAB_SIZE:
         raise DataError(
@@ -85,7 +87,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) 
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+                                  show_progress=show_progress)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
