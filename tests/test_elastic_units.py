@@ -12,7 +12,6 @@ from elastor_mcore.elastic.failures import (Failure, FailurePlanError, parse_fai
                                             validate)
 from elastor_mcore.elastic.heartbeat import HangPolicy, HeartbeatWriter, read_beats
 from elastor_mcore.elastic.probe import probe_cuda
-from elastor_mcore.elastic.report import layout_diagram
 from elastor_mcore.elastic.supervisor import torchrun_layout
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from elastor_mcore.layout import layout_from_dict
@@ -79,21 +78,18 @@ def test_survivor_slots_become_contiguous_torchrun_ranks():
     ranked, slots = torchrun_layout(layout)
     assert slots == (0, 2, 4, 7)
     assert [s.ranks for p in ranked.pipelines for s in p.stages] == [(2,), (0,), (3, 1)]
-    diagram = layout_diagram(layout.to_dict(), range(8), 4, dead=[3])
-    assert "P1 ( 6 micro-batches): [slots 7,2 tp2 L0-7]" in diagram
-    assert "3:dead" in diagram and "1:idle" in diagram and "7:P1.S0" in diagram
 
 
 def test_timeline_joins_supervisor_records_and_rank_events(tmp_path):
     failed, after = tmp_path / "launch0", tmp_path / "launch1"
     failed.mkdir(), after.mkdir()
     base = dict(layout={}, describe="", predicted_step_s=0.1, probe_s=0.0, plan_s=0.01)
-    l0 = LaunchRecord(index=0, dir=str(failed), slots=[0, 1], launched_at=0.0,
+    l0 = LaunchRecord(index=0, dir=str(failed), alive=[0, 1], slots=[0, 1], launched_at=0.0,
                       outcome="exit", exit_code=1, detected_at=0.0, stop_s=0.2, **base)
     append_event(failed / EVENTS_FILE, "failure", slot=1, rank=1, step=5, kind="kill")
     injected = json.loads((failed / EVENTS_FILE).read_text())["time"]
     l0.detected_at = injected + 1.0
-    l1 = LaunchRecord(index=1, dir=str(after), slots=[0], launched_at=injected + 2.0,
+    l1 = LaunchRecord(index=1, dir=str(after), alive=[0], slots=[0], launched_at=injected + 2.0,
                       resumed_from=4, outcome="finished", **dict(base, probe_s=0.05))
     lines = [{"event": "ready", "time": injected + 12.0, "rank": 0, "slot": 0,
               "start_step": 4, "load_s": 3.0},

@@ -13,13 +13,14 @@ from pathlib import Path
 import yaml
 
 from elastor_mcore.commands.launch import StepPrinter, print_summary
+from elastor_mcore.commands.plan import diagram
 from elastor_mcore.elastic.failures import Failure, FailurePlanError
 from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.report import read_metrics, write_report
 from elastor_mcore.elastic.supervisor import Supervisor, SupervisorConfig
 from elastor_mcore.elastic.timeline import recoveries
 from elastor_mcore.launch import run_torchrun
-from elastor_mcore.planner import HardwareError, load_hardware
+from elastor_mcore.planner import HardwareError, load_hardware, plan
 from elastor_mcore.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +90,22 @@ def run_reference(recipe_path: str, steps: int, out: Path) -> float:
     return time.perf_counter() - start
 
 
+def layout_diagrams(config: SupervisorConfig, launches) -> list[str]:
+    """``elastor plan``'s diagram of each launch's layout (the planner is deterministic,
+    so planning the launch's alive slots again gives its layout)."""
+    recipe, hardware = config.recipe, config.hardware
+    full = plan(recipe, hardware, config.slots)
+    tokens = recipe.training.global_batch_size * recipe.model.seq_length
+    out = []
+    for launch in launches:
+        chosen = plan(recipe, hardware, launch.alive)
+        dead = [s for s in config.slots if s not in launch.alive]
+        out.append(diagram(chosen, full.step_s, tokens,
+                           f"{recipe.name} on {len(launch.alive)} alive slots (dead: "
+                           f"{', '.join(map(str, dead)) or 'none'})"))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
@@ -151,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
                 "reference": "the same steps uninterrupted on 1 process (dp1-tp1-pp1)"}
     worst = write_report(out, "elastor demo: recovery on the survivors",
                          "elastor demo " + " ".join(sys.argv[2:]), settings, outcome.launches,
-                         reference, list(range(args.slots)), hardware.gpus_per_node, summary)
+                         reference, layout_diagrams(config, outcome.launches),
+                         hardware.gpus_per_node, summary)
     print_summary(outcome, PREFIX)
     for launch in outcome.launches:
         print(f"{PREFIX}:   launch {launch.index}: {len(launch.slots):2d} slots  "

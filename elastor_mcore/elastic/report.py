@@ -1,8 +1,8 @@
 """The demo's report: ``report.md`` (layouts with diagrams, recovery timeline,
 checkpoint save and load times, per-step loss against the reference) and ``loss.png``.
 
-Inputs are files only (the supervisor's ``LaunchRecord``s, each launch's metrics and
-events, the reference run's metrics), so a report can be rebuilt from a run directory.
+Inputs are the supervisor's ``LaunchRecord``s with each launch's metrics and events,
+the reference run's losses, and a diagram per layout (``elastor plan``'s renderer).
 """
 
 from __future__ import annotations
@@ -40,31 +40,6 @@ def step_losses(launches: Sequence[LaunchRecord], reference: dict[int, float]) -
     return [StepLoss(m["step"], launch.index, m["loss"], reference[m["step"]])
             for launch in launches
             for m in read_metrics(Path(launch.dir) / "metrics.jsonl")]
-
-
-def layout_diagram(layout: dict[str, Any], slots: Sequence[int], gpus_per_node: int,
-                   dead: Sequence[int] = ()) -> str:
-    """Two views of a layout on physical slots: each pipeline as a chain of stages
-    (slots, TP, layers), and each node's slots with what they hold."""
-    holder: dict[int, str] = {}
-    lines = []
-    for p, pipe in enumerate(layout["pipelines"]):
-        start, chain = 0, []
-        for s, stage in enumerate(pipe["stages"]):
-            end = start + stage["layers"]
-            chain.append(f"[slots {','.join(map(str, stage['ranks']))} tp{stage['tp']} "
-                         f"L{start}-{end - 1}]")
-            for r in stage["ranks"]:
-                holder[r] = f"P{p}.S{s}"
-            start = end
-        lines.append(f"P{p} ({pipe['micro_batches']:2d} micro-batches): " + " -> ".join(chain))
-    nodes: dict[int, list[str]] = {}
-    for slot in slots:
-        what = "dead" if slot in dead else holder.get(slot, "idle")
-        nodes.setdefault(slot // gpus_per_node, []).append(f"{slot}:{what:6s}")
-    lines.append("")
-    lines += [f"node {n}: " + "  ".join(cells) for n, cells in sorted(nodes.items())]
-    return "\n".join(lines)
 
 
 def plot_losses(path: str | os.PathLike, reference: dict[int, float],
@@ -116,7 +91,7 @@ def plot_losses(path: str | os.PathLike, reference: dict[int, float],
 
 def write_report(out: str | os.PathLike, title: str, command: str,
                  settings: dict[str, Any], launches: Sequence[LaunchRecord],
-                 reference: dict[int, float], all_slots: Sequence[int],
+                 reference: dict[int, float], diagrams: Sequence[str],
                  gpus_per_node: int, summary: str) -> float:
     """Write ``report.md`` and ``loss.png`` into ``out``; returns the largest relative
     loss difference from the reference over every step run."""
@@ -131,14 +106,14 @@ def write_report(out: str | os.PathLike, title: str, command: str,
            "Chosen by the planner for the slots alive at each launch (slot ids are "
            "physical: node = slot // " f"{gpus_per_node}).", ""]
     dead: list[int] = []
-    for launch in launches:
+    for launch, diagram in zip(launches, diagrams):
         steps = [m["step"] for m in read_metrics(Path(launch.dir) / "metrics.jsonl")]
         ran = f"steps {steps[0]}-{steps[-1]}" if steps else "no step"
         md += [f"### Launch {launch.index}: {len(launch.slots)} slots, {ran}, "
                f"{launch.outcome}", "",
-               f"`{launch.describe}`, predicted step {launch.predicted_step_s * 1e3:.1f} ms, "
-               f"planned in {launch.plan_s * 1e3:.0f} ms", "", "```",
-               layout_diagram(launch.layout, all_slots, gpus_per_node, dead), "```", ""]
+               f"`{launch.describe}` on slots {launch.slots}; dead slots: "
+               f"{', '.join(map(str, dead)) or 'none'}; planned in "
+               f"{launch.plan_s * 1e3:.0f} ms", "", "```", diagram, "```", ""]
         dead += [e["slot"] for e in launch.failures()]
     md += ["## Recovery timeline", "",
            "Seconds per phase, from the failure to the first step on the new layout. "

@@ -168,9 +168,9 @@ class Supervisor:
                                               f"{len(self.launches) - 1} recoveries")
                 restarts = len(self.launches) - 1
                 if restarts >= cfg.max_restarts:
-                    return self._finish(False, f"gave up: the run failed again after "
-                                               f"{restarts} restarts (--max-restarts "
-                                               f"{cfg.max_restarts})")
+                    return self._finish(False, f"gave up: launch {record.index} failed "
+                                               f"and {restarts} restarts were made already "
+                                               f"(--max-restarts {cfg.max_restarts})")
                 start = time.perf_counter()
                 alive = self._survivors(alive, record)
                 probe_s = time.perf_counter() - start
@@ -180,7 +180,7 @@ class Supervisor:
             write_json(cfg.run_dir / "timeline.json", self.launches)
 
     def _finish(self, finished: bool, reason: str) -> Outcome:
-        self.on_message(reason)
+        log.info(reason)
         return Outcome(finished, reason, self.launches)
 
     def _plan_and_launch(self, alive: list[int], probe_s: float) -> LaunchRecord | str:
@@ -191,12 +191,12 @@ class Supervisor:
         try:
             chosen = planner.plan(cfg.recipe, cfg.hardware, alive)
         except planner.PlannerError as exc:
-            return (f"gave up: the {len(alive)} surviving slots {alive} cannot hold the "
-                    f"model: {exc}")
+            which = "surviving slots" if self.launches else "slots"
+            return f"gave up: the {len(alive)} {which} {alive} cannot hold the model: {exc}"
         plan_s = time.perf_counter() - start
         index = len(self.launches)
         record = LaunchRecord(
-            index=index, dir=str(cfg.run_dir / f"launch{index}"),
+            index=index, dir=str(cfg.run_dir / f"launch{index}"), alive=list(alive),
             slots=list(chosen.layout.ranks), layout=chosen.layout.to_dict(),
             describe=chosen.layout.describe(), predicted_step_s=chosen.step_s,
             probe_s=probe_s, plan_s=plan_s, launched_at=0.0,
@@ -274,9 +274,9 @@ class Supervisor:
         if record.outcome == "finished":
             return
         if record.outcome == "hang":
-            what = (f"slots {silent} stopped heart-beating (no beat for "
-                    f"{cfg.hang.timeout_s:.0f}s after stepping, or "
-                    f"{cfg.hang.startup_timeout_s:.0f}s before the first step)")
+            what = (f"no heartbeat from slots {silent} within the timeout "
+                    f"({cfg.hang.timeout_s:.0f}s once stepping, "
+                    f"{cfg.hang.startup_timeout_s:.0f}s before): a hung rank or collective")
         elif record.died_slots:
             what = (f"the ranks of slots {record.died_slots} died (their output is in "
                     f"{record.dir}/torchrun.log)")

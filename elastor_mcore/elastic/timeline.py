@@ -28,8 +28,10 @@ class LaunchRecord:
     index: int
     dir: str
     """``launch<index>/`` under the run directory: layout, metrics, log, events."""
+    alive: list[int]
+    """Physical slots alive when the launch was planned."""
     slots: list[int]
-    """Physical slots, in torchrun rank order."""
+    """Physical slots the layout uses, in torchrun rank order."""
     layout: dict[str, Any]
     """The planner's layout (ranks are physical slots)."""
     describe: str
