@@ -134,7 +134,15 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None) -> None:
     stage_layers = [s.layers for s in pipeline.stages]
     args.tensor_model_parallel_size = pipeline.stages[groups.position.stage].tp
     args.pipeline_model_parallel_size = len(stage_layers)
-    args.data_parallel_size = len(layout.pipelines)
+    if args.data_parallel_size != len(layout.pipelines):
+        from megatron.core.num_microbatches_calculator import (
+            reconfigure_num_microbatches_calculator)
+
+        args.data_parallel_size = len(layout.pipelines)
+        reconfigure_num_microbatches_calculator(
+            args.rank, args.rampup_batch_size, args.global_batch_size,
+            args.micro_batch_size, args.data_parallel_size,
+            getattr(args, "decrease_batch_size_if_needed", False))
     if len(set(stage_layers)) > 1:
         stages = [["decoder"] * n for n in stage_layers]
         stages[0].insert(0, "embedding")

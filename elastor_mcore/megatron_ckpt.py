@@ -14,15 +14,22 @@ iteration, scheduler). Here each goes where it fits:
 * ``metadata.json`` last, with ``sharded_backend: elastor_zarr``: Megatron-LM's format
   detection sees a distributed checkpoint, and the patched ``load`` tells it from
   torch_dist by this marker. A directory without it never loads.
+
+``async_save`` (Megatron-LM's ``--async-save``) snapshots the state and writes it in a
+background thread while training goes on.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import re
 import shutil
+import tempfile
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,7 @@ COMMON_FILE = "common.pt"
 OBJECTS_DIR = "megatron_objects"
 CONTENT_METADATA_KEY = "content_metadata"
 _ITER_RE = re.compile(r"^iter_(\d+)$")
+_BACKGROUND_GROUP = None
 
 
 @dataclass(frozen=True)
@@ -69,50 +77,138 @@ def is_zarr_checkpoint(checkpoint_dir: str | os.PathLike) -> bool:
     return backend_of(checkpoint_dir) == BACKEND
 
 
-def save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
-         settings: ZarrSaveSettings, *, content_metadata: dict | None = None) -> None:
-    """Save a Megatron-LM state dict into ``checkpoint_dir`` (collective, every rank).
+@dataclass
+class _Prepared:
+    """A state dict split for writing; plain values and objects already serialised."""
 
-    The directory is replaced atomically; ``metadata.json`` is written last.
-    """
+    tensors: dict
+    step: int
+    common: bytes
+    objects: dict[str, bytes]
+    """``unique_key`` -> serialised data, for the ShardedObjects this rank writes."""
+
+
+def _prepare(sharded_state_dict: dict, content_metadata: dict | None, *,
+             copy_tensors: bool) -> _Prepared:
     from megatron.core.dist_checkpointing.dict_utils import (
-        extract_matching_values, nested_values)
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
+        dict_list_map_inplace, extract_matching_values, nested_values)
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedObject, ShardedTensor, apply_factories, is_main_replica)
     from megatron.core.dist_checkpointing.utils import (
         extract_nonpersistent, extract_sharded_base)
 
-    path = Path(checkpoint_dir)
     if content_metadata is not None:
         sharded_state_dict[CONTENT_METADATA_KEY] = content_metadata
     _, persistent = extract_nonpersistent(sharded_state_dict)
     sharded, common = extract_sharded_base(persistent)
     objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
-    step = common.get("iteration", 0)
-    step = step if isinstance(step, int) and step >= 0 else 0
-    save_sharded_state_dict(tensors, path, step=step, manifest_extra=settings.manifest_extra,
-                            chunking=settings.chunking)
+    if copy_tensors:
+        apply_factories(tensors)
 
+        def host_copy(value):
+            if isinstance(value, ShardedTensor) and value.data is not None:
+                value.data = value.data.detach().to("cpu", copy=True)
+            return value
+
+        dict_list_map_inplace(host_copy, tensors)
+    step = common.get("iteration", 0)
+    return _Prepared(
+        tensors=tensors, step=step if isinstance(step, int) and step >= 0 else 0,
+        common=_serialise(common),
+        objects={obj.unique_key: _serialise(obj.data) for obj in nested_values(objects)
+                 if is_main_replica(obj.replica_id)})
+
+
+def _write(prepared: _Prepared, path: Path, settings: ZarrSaveSettings, group=None) -> None:
+    save_sharded_state_dict(prepared.tensors, path, step=prepared.step,
+                            manifest_extra=settings.manifest_extra,
+                            chunking=settings.chunking, group=group)
     error = None
     try:
-        if comm.is_coordinator():
-            _save_torch(common, path / COMMON_FILE)
-        for obj in nested_values(objects):
-            if is_main_replica(obj.replica_id):
-                _save_torch(obj.data, _object_file(path, obj.unique_key))
+        if comm.is_coordinator(group):
+            _write_bytes(prepared.common, path / COMMON_FILE)
+        for key, data in prepared.objects.items():
+            _write_bytes(data, _object_file(path, key))
     except OSError as exc:
         error = exc
-    comm.agree(error, f"saving Megatron-LM state to {path}")
+    comm.agree(error, f"saving Megatron-LM state to {path}", group)
 
     error = None
-    if comm.is_coordinator():
+    if comm.is_coordinator(group):
         try:
             write_config(path)
             if settings.keep:
                 prune(path.parent, settings.keep, path)
         except OSError as exc:
             error = exc
-    comm.agree(error, f"committing {path}")
+    comm.agree(error, f"committing {path}", group)
     log.info("saved Megatron-LM checkpoint %s in the elastor zarr format", path)
+
+
+def save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
+         settings: ZarrSaveSettings, *, content_metadata: dict | None = None) -> None:
+    """Save a Megatron-LM state dict into ``checkpoint_dir`` (collective, every rank).
+
+    The directory is replaced atomically; ``metadata.json`` is written last.
+    """
+    _write(_prepare(sharded_state_dict, content_metadata, copy_tensors=False),
+           Path(checkpoint_dir), settings)
+
+
+def async_save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
+               settings: ZarrSaveSettings, *, content_metadata: dict | None = None):
+    """Start a save that overlaps training; returns mcore's ``AsyncRequest``.
+
+    Tensors are copied to host memory and everything else serialised before this
+    returns, so training may change the model at once. A background thread writes
+    over a process group of its own (collectives there never interleave with the
+    training's). The request's ``async_fn``, which Megatron-LM runs in a helper
+    process, waits until the thread is done, so Megatron-LM's queue sees the save in
+    flight until then; its finalize step joins the thread and raises its error.
+    """
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    prepared = _prepare(sharded_state_dict, content_metadata, copy_tensors=True)
+    group = _background_group()
+    signal_dir = Path(tempfile.mkdtemp(prefix="elastor_async_save_"))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            _write(prepared, Path(checkpoint_dir), settings, group)
+        except BaseException as exc:  # re-raised by finalize on the caller's thread
+            errors.append(exc)
+        finally:
+            (signal_dir / "done").touch()
+
+    thread = threading.Thread(target=run, name="elastor-async-save", daemon=True)
+    thread.start()
+
+    def finalize() -> None:
+        thread.join()
+        shutil.rmtree(signal_dir, ignore_errors=True)
+        if errors:
+            raise errors[0]
+
+    return AsyncRequest(wait_for_file, (os.fspath(signal_dir / "done"),), [finalize])
+
+
+def wait_for_file(path: str, poll_s: float = 0.05) -> None:
+    """The ``async_fn`` of an async save: returns once ``path`` exists (it runs in a
+    helper process, so a file is how the writing thread signals it)."""
+    while not os.path.exists(path):
+        time.sleep(poll_s)
+
+
+def _background_group():
+    """A gloo group of the whole world for background saves, created on first use
+    (every rank reaches its first async save at the same point)."""
+    global _BACKGROUND_GROUP
+    import torch.distributed as dist
+
+    if _BACKGROUND_GROUP is None and dist.is_available() and dist.is_initialized():
+        _BACKGROUND_GROUP = dist.new_group(backend="gloo")
+    return _BACKGROUND_GROUP
 
 
 def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
@@ -180,9 +276,15 @@ def _object_file(path: Path, unique_key: str) -> Path:
     return path / OBJECTS_DIR / f"{unique_key}.pt"
 
 
-def _save_torch(value: Any, file: Path) -> None:
+def _serialise(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _write_bytes(data: bytes, file: Path) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
     tmp = file.with_name(f".tmp_{file.name}")
-    torch.save(value, tmp)
+    tmp.write_bytes(data)
     os.replace(tmp, file)
 

@@ -58,7 +58,6 @@ class _Installed:
 
 
 _installed: _Installed | None = None
-_warned_async = False
 
 
 class ZarrLoadStrategy:
@@ -171,10 +170,12 @@ def _wrap_save(original):
     def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
         if options().ckpt_format != "zarr":
             return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        megatron_ckpt.save(sharded_state_dict, checkpoint_dir, options().save,
-                           content_metadata=kwargs.get("content_metadata"))
+        content_metadata = kwargs.get("content_metadata")
         if kwargs.get("async_sharded_save"):
-            return _completed_request()
+            return megatron_ckpt.async_save(sharded_state_dict, checkpoint_dir,
+                                            options().save, content_metadata=content_metadata)
+        megatron_ckpt.save(sharded_state_dict, checkpoint_dir, options().save,
+                           content_metadata=content_metadata)
         return None
     return save
 
@@ -221,15 +222,3 @@ def _wrap_sd_metadata(original):
         return metadata
     return build_metadata
 
-
-def _completed_request():
-    """An ``AsyncRequest`` with nothing left to do: the zarr save already committed,
-    and Megatron-LM's own finalize steps (the tracker file) run when it schedules it."""
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
-
-    global _warned_async
-    if not _warned_async:
-        log.warning("--async-save with the elastor zarr format: the save ran in the "
-                    "foreground")
-        _warned_async = True
-    return AsyncRequest(None, (), [])

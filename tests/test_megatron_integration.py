@@ -71,6 +71,8 @@ def test_hooks_save_zarr_on_hetero_layout_and_load_under_another(world):
         hooks = report["hooks"]
         assert hooks["saved_zarr"], report["rank"]
         assert hooks["mismatches"] == [], (report["rank"], hooks["mismatches"][:5])
+        assert hooks["async_mismatches"] == [], (report["rank"], hooks["async_mismatches"][:5])
+        assert hooks["async_iteration"] == 8
         assert hooks["iteration"] == hooks["common_iteration"] == 7
         assert hooks["args_lr"] == 0.5
         assert hooks["rng"] == {"rank": report["rank"]}
@@ -192,7 +194,8 @@ def megatron_namespace(**overrides) -> argparse.Namespace:
                   micro_batch_size=1, seed=1234, bf16=False, rank=0,
                   tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                   virtual_pipeline_model_parallel_size=None,
-                  pipeline_model_parallel_layout=None, vocab_size=None)
+                  pipeline_model_parallel_layout=None, vocab_size=None,
+                  data_parallel_size=1)
     values.update(overrides)
     return argparse.Namespace(**values)
 

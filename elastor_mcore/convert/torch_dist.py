@@ -64,7 +64,8 @@ def _pieces(key: str, shape: tuple[int, ...]) -> list[_Piece]:
     for layer in range(shape[0]):
         if rest.endswith(_FC1):
             half = shape[1] // 2
-            out += [_Piece(f"{prefix}{layer}.{rest}{suffix}", (layer, slice(i * half, (i + 1) * half)))
+            out += [_Piece(f"{prefix}{layer}.{rest}{suffix}",
+                           (layer, slice(i * half, (i + 1) * half)))
                     for i, suffix in enumerate(_HALVES)]
         else:
             out.append(_Piece(f"{prefix}{layer}.{rest}", (layer,)))
@@ -126,6 +127,8 @@ def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(torch.load(io.BytesIO(data), weights_only=False)[0], file)
     megatron_ckpt.write_config(dst)
+    log.info("converted %s: %d tensors (%d stacked), %d objects -> %s", src, len(sources),
+             len(stacked), len(objects), dst)
     return dst
 
 
@@ -175,6 +178,8 @@ def zarr_to_torch_dist(src: str | os.PathLike, dst: str | os.PathLike, *,
     (dst / megatron_ckpt.CONFIG_FILE).write_text(json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
          "common_backend": "torch", "common_backend_version": 1}))
+    log.info("converted %s -> %s: %d tensors (%s layer keys), %d objects", reader.path, dst,
+             len(outputs), "stacked" if stacked else "per-layer", len(objects))
     return dst
 
 

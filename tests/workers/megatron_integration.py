@@ -1,8 +1,9 @@
 """Worker (4 ranks): the Megatron-LM hooks and converted checkpoints, through the mcore API.
 
 1. Hooks: the patched ``initialize_model_parallel`` installs heterogeneous layout A;
-   the patched ``dist_checkpointing.save`` writes the zarr format; layout B loads it
-   with the patched ``load``.
+   the patched ``dist_checkpointing.save`` writes the zarr format, in the foreground
+   and with ``async_sharded_save`` through mcore's ``AsyncCallsQueue``; layout B loads
+   both with the patched ``load``.
 2. mcore's own TP=2 PP=2 ``dist_checkpointing.save`` (torch_dist, stacked keys); rank 0
    converts it to zarr and back to torch_dist; mcore loads the round trip under TP=2
    PP=2 and layout A loads the zarr copy.
@@ -92,6 +93,7 @@ def mcore_stage(recipe):
 def check_hooks(recipe, out: Path, save_settings) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     from elastor_mcore import megatron_ckpt
     from elastor_mcore.model import initialize_weights
@@ -104,15 +106,31 @@ def check_hooks(recipe, out: Path, save_settings) -> dict:
     dist.barrier()
     _, model = hooked_stage(recipe, LAYOUT_A, dict(ckpt_format="zarr", save=save_settings))
     initialize_weights(model, recipe, SEED_HOOKS)
-    state = {"model": model.sharded_state_dict(metadata=dict(SHARDED_METADATA)),
-             "iteration": 7, "args": argparse.Namespace(lr=0.5, dtype=torch.bfloat16),
-             "rng_state": ShardedObject("rng_state", {"rank": rank}, (4,), (rank,),
-                                        replica_id=0)}
-    dist_checkpointing.save(state, str(ckpt), None, async_sharded_save=False,
+
+    def state(iteration: int) -> dict:
+        return {"model": model.sharded_state_dict(metadata=dict(SHARDED_METADATA)),
+                "iteration": iteration,
+                "args": argparse.Namespace(lr=0.5, dtype=torch.bfloat16),
+                "rng_state": ShardedObject("rng_state", {"rank": rank}, (4,), (rank,),
+                                           replica_id=0)}
+
+    dist_checkpointing.save(state(7), str(ckpt), None, async_sharded_save=False,
                             content_metadata={"elastor_test": True})
     saved_ok = megatron_ckpt.is_zarr_checkpoint(ckpt) and (ckpt / "manifest.json").is_file()
+    # --async-save: Megatron-LM's queue runs the request; training changes the weights
+    # while the save is in flight, and the checkpoint must hold the values at the call.
+    async_ckpt = out / "hooks" / "iter_0000008"
+    request = dist_checkpointing.save(state(8), str(async_ckpt), None, async_sharded_save=True)
+    poison(model)
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(request)
+    queue.maybe_finalize_async_calls(blocking=True)
 
     _, model = hooked_stage(recipe, LAYOUT_B, dict(ckpt_format="zarr", save=save_settings))
+    poison(model)
+    dist_checkpointing.load({"model": model.sharded_state_dict(metadata=dict(SHARDED_METADATA))},
+                            str(async_ckpt))
+    async_bad = mismatches(model, recipe, SEED_HOOKS)
     poison(model)
     loaded = dist_checkpointing.load(
         {"model": model.sharded_state_dict(metadata=dict(SHARDED_METADATA)),
@@ -121,6 +139,9 @@ def check_hooks(recipe, out: Path, save_settings) -> dict:
     common = dist_checkpointing.load_common_state_dict(str(ckpt))
     return {
         "saved_zarr": saved_ok,
+        "async_mismatches": async_bad,
+        "async_iteration": dist_checkpointing.load_common_state_dict(
+            str(async_ckpt))["iteration"],
         "mismatches": mismatches(model, recipe, SEED_HOOKS),
         "iteration": loaded.get("iteration"), "common_iteration": common.get("iteration"),
         "args_lr": loaded["args"].lr, "rng": loaded["rng_state"],
