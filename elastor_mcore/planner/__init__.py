@@ -146,8 +146,6 @@ def _infeasible_message(cost: CostModel, recipe: Recipe, alive: int,
     ends = (cost.stage_memory(tp, 0, 0, 1).total - cost.stage_memory(tp, 0, 0, 1).reserved) * tp
     needed = recipe.model.num_layers * one_layer + ends
     available = alive * cost.capacity_bytes
-    if cost.total_micro_batches < 1:
-        return "the recipe's global batch has no micro-batch"
     if needed > available:
         return (f"{recipe.name} does not fit on {alive} alive GPUs: it needs at least "
                 f"{needed / GIB:.1f} GiB (weights, gradients, optimizer state and one "

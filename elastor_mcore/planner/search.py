@@ -109,17 +109,15 @@ class Candidate:
     def gpus(self) -> int:
         return sum(shape.gpus for shape, _ in self.pipelines)
 
-    def key(self) -> tuple:
-        return (self.step_s, self.gpus, len(self.pipelines))
-
 
 def better(a: Candidate | None, b: Candidate | None) -> Candidate | None:
-    """The better of two candidates: faster, then fewer GPUs, then fewer pipelines."""
+    """The better of two candidates: faster, then fewer GPUs, then fewer pipelines;
+    ``a`` on a full tie, so the first one found wins (the search order is fixed)."""
     if a is None or b is None:
         return a or b
     if abs(a.step_s - b.step_s) > REL_TOL * max(a.step_s, b.step_s):
         return a if a.step_s < b.step_s else b
-    return a if a.key()[1:] <= b.key()[1:] else b
+    return a if (a.gpus, len(a.pipelines)) <= (b.gpus, len(b.pipelines)) else b
 
 
 # ----- node partitions ------------------------------------------------------------------
@@ -322,8 +320,8 @@ class PoolSearch:
                          pipeline_s=pipeline_s, grad_sync_s=grad, partitions=partitions)
 
     def _enumerate(self, pool: dict[int, int], fixed: list[tuple[PipelineShape, int]],
-                   max_stages: int, partitions, incumbent: Candidate | None
-                   ) -> Candidate | None:
+                   max_stages: int, partitions: tuple[tuple[int, tuple[int, ...]], ...],
+                   incumbent: Candidate | None) -> Candidate | None:
         """Every multiset of shapes that fits ``pool`` (plus the ``fixed`` pipelines),
         branch and bound: a partial packing is dropped when even perfectly efficient
         pipelines on all its remaining groups could not beat the incumbent."""
@@ -494,7 +492,7 @@ def search(cost: CostModel, alive_by_node: dict[int, int], tp_sizes: tuple[int, 
             best = pool_search.search(Counter(partition), ((nodes[0], partition),),
                                       best) or best
     # the whole cluster: inter-node links
-    if len(alive_by_node) > 1 and sum(len(n) for n in classes.values()) > 1:
+    if sum(len(nodes) for nodes in classes.values()) > 1:
         book = ShapeBook(cost, intra_node=False)
         pool_search = PoolSearch(cost, book)
         options = [_class_options(nodes, parts[alive], exact) for alive, nodes in classes.items()]
