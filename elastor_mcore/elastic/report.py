@@ -81,7 +81,7 @@ def plot_losses(path: str | os.PathLike, reference: dict[int, float],
     diffs = [max(l.relative_difference, 1e-12) for l in losses]
     bottom.semilogy([l.step for l in losses], diffs, ".", color="tab:blue")
     bottom.axhline(1e-5, color="red", lw=0.8, label="1e-5")
-    bottom.set_ylabel("|Δloss| / loss")
+    bottom.set_ylabel("|Δloss| / loss\n(0 drawn at 1e-12)")
     bottom.set_xlabel("step")
     bottom.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
