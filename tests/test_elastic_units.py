@@ -2,7 +2,6 @@
 detection, rank remapping, the timeline and the CUDA probe's timeout."""
 
 import json
-import sys
 
 import pytest
 

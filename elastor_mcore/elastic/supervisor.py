@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -36,7 +37,7 @@ from elastor_mcore.elastic import probe
 from elastor_mcore.elastic.failures import Failure, validate
 from elastor_mcore.elastic.heartbeat import HEARTBEAT_DIR, HangPolicy, read_beats
 from elastor_mcore.elastic.rank_hooks import worker_args
-from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, write_json
+from elastor_mcore.elastic.timeline import LaunchRecord, write_json
 from elastor_mcore.launch import torchrun_command, worker_env
 from elastor_mcore.layout import Layout, layout_from_dict
 from elastor_mcore.recipe import Recipe
@@ -203,7 +204,8 @@ class Supervisor:
             resumed_from=latest_step(cfg.checkpoint_dir) if cfg.checkpoint_dir.exists()
             else None)
         self.launches.append(record)
-        Path(record.dir).mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(record.dir, ignore_errors=True)  # a rerun in the same run directory
+        Path(record.dir).mkdir(parents=True)
         (Path(record.dir) / "plan.json").write_text(json.dumps(chosen.to_dict(), indent=2))
         resumed = ("from scratch" if record.resumed_from is None
                    else f"from step {record.resumed_from}")
