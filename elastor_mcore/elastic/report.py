@@ -55,7 +55,7 @@ def plot_losses(path: str | os.PathLike, reference: dict[int, float],
                                       gridspec_kw={"height_ratios": [3, 1.3]})
     steps = sorted(reference)
     top.plot(steps, [reference[s] for s in steps], color="black", lw=1.2,
-             label="reference (uninterrupted, 1 process)")
+             label="reference (uninterrupted)")
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown"]
     for launch in launches:
         mine = [l for l in losses if l.launch == launch.index]
