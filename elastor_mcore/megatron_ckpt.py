@@ -88,12 +88,30 @@ class _Prepared:
     """``unique_key`` -> serialised data, for the ShardedObjects this rank writes."""
 
 
+def _on_host(state: dict, *, copy: bool, always: bool = False) -> None:
+    """Give every ShardedTensor (and factory) of ``state`` host memory: a copy of its
+    data (``copy``) or an empty buffer, for device tensors only unless ``always``.
+    The elastor reader and writer work on host memory."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def stage(value):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and \
+                value.data is not None and (always or value.data.device.type != "cpu"):
+            value.data = value.data.detach().to("cpu", copy=True) if copy else \
+                torch.empty_like(value.data, device="cpu")
+        return value
+
+    dict_list_map_inplace(stage, state)
+
+
 def _prepare(sharded_state_dict: dict, content_metadata: dict | None, *,
-             copy_tensors: bool) -> _Prepared:
+             snapshot: bool) -> _Prepared:
+    """Split the state; ``snapshot`` copies every tensor so training may go on."""
     from megatron.core.dist_checkpointing.dict_utils import (
-        dict_list_map_inplace, extract_matching_values, nested_values)
+        extract_matching_values, nested_values)
     from megatron.core.dist_checkpointing.mapping import (
-        ShardedObject, ShardedTensor, apply_factories, is_main_replica)
+        ShardedObject, apply_factories, is_main_replica)
     from megatron.core.dist_checkpointing.utils import (
         extract_nonpersistent, extract_sharded_base)
 
@@ -102,15 +120,8 @@ def _prepare(sharded_state_dict: dict, content_metadata: dict | None, *,
     _, persistent = extract_nonpersistent(sharded_state_dict)
     sharded, common = extract_sharded_base(persistent)
     objects, tensors = extract_matching_values(sharded, lambda v: isinstance(v, ShardedObject))
-    if copy_tensors:
-        apply_factories(tensors)
-
-        def host_copy(value):
-            if isinstance(value, ShardedTensor) and value.data is not None:
-                value.data = value.data.detach().to("cpu", copy=True)
-            return value
-
-        dict_list_map_inplace(host_copy, tensors)
+    apply_factories(tensors)
+    _on_host(tensors, copy=True, always=snapshot)
     step = common.get("iteration", 0)
     return _Prepared(
         tensors=tensors, step=step if isinstance(step, int) and step >= 0 else 0,
@@ -151,7 +162,7 @@ def save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
 
     The directory is replaced atomically; ``metadata.json`` is written last.
     """
-    _write(_prepare(sharded_state_dict, content_metadata, copy_tensors=False),
+    _write(_prepare(sharded_state_dict, content_metadata, snapshot=False),
            Path(checkpoint_dir), settings)
 
 
@@ -168,7 +179,7 @@ def async_save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
     """
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-    prepared = _prepare(sharded_state_dict, content_metadata, copy_tensors=True)
+    prepared = _prepare(sharded_state_dict, content_metadata, snapshot=True)
     group = _background_group()
     signal_dir = Path(tempfile.mkdtemp(prefix="elastor_async_save_"))
     errors: list[BaseException] = []
@@ -212,8 +223,10 @@ def _background_group():
 
 
 def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
-    """Load into ``sharded_state_dict`` (any layout) and return the full state dict:
-    common values, ShardedObjects and tensors, factories merged."""
+    """Load ``sharded_state_dict`` (any layout) and return the full state dict: common
+    values, ShardedObjects and tensors, factories merged. Host tensors are filled in
+    place; device tensors come back in host buffers, which Megatron-LM copies into
+    the model with ``load_state_dict`` as it does after mcore's own load."""
     from megatron.core.dist_checkpointing.dict_utils import (
         dict_list_map_inplace, extract_matching_values, merge)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -233,6 +246,7 @@ def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
 
     dict_list_map_inplace(lambda v: read_object(v) if isinstance(v, ShardedObject) else v,
                           objects)
+    _on_host(tensors, copy=False)
     loaded = load_sharded_state_dict(tensors, path)
     merge(loaded, objects)
     merge(common, loaded)

@@ -7,7 +7,8 @@ at call time (``mpu.initialize_model_parallel(...)``, ``dist_checkpointing.save(
 Names other modules imported by value are replaced there too:
 ``serialization.load_common_state_dict`` (used by ``load_content_metadata``) and
 ``get_default_load_sharded_strategy`` (imported by ``megatron.training.checkpointing``,
-which would fail on the unknown backend of a zarr checkpoint).
+which would fail on the unknown backend of a zarr checkpoint). Under a layout,
+Megatron-LM's ``_build_sharded_state_dict_metadata`` also asks for per-layer keys.
 
 Loads dispatch on the checkpoint's ``metadata.json`` marker, so torch_dist checkpoints
 keep loading while saves go to zarr. Options may be given directly (tests, custom
