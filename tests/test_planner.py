@@ -17,6 +17,7 @@ from elastor_mcore.planner import (CostModel, HardwareError, PlannerError, hardw
 from elastor_mcore.planner.baselines import best_uniform
 from elastor_mcore.planner.cost_model import GIB
 from elastor_mcore.recipe import load_recipe
+from tests.test_planner_optimality import THIRDS, TIGHT  # six heads: TP 1, 2, 3 or 6
 
 HW_DIR = Path("recipes/hardware")
 TINY = load_recipe("recipes/tiny-llama.yaml")
@@ -124,6 +125,14 @@ def test_tp_groups_stay_inside_nodes_and_respect_the_restriction():
     for _, _, stage in result.layout.iter_stages():
         assert stage.tp in (2, 4, 8)
         assert len({r // 8 for r in stage.ranks}) == 1
+
+
+def test_tp_groups_of_any_size_that_divides_the_model():
+    hw = hardware_from_dict({**TIGHT, "memory_per_gpu_gib": 0.12})
+    ours = plan(THIRDS, hw, range(6), gpus_per_node=8)
+    pow2 = plan(THIRDS, hw, range(6), gpus_per_node=8, tp_sizes=[1, 2, 4, 8])
+    assert {s.tp for _, _, s in ours.layout.iter_stages()} == {3}
+    assert ours.step_s < pow2.step_s
 
 
 @pytest.mark.parametrize("recipe,nodes", [(LLAMA2_7B, 4), (LLAMA3_70B, 32)])

@@ -29,6 +29,13 @@ WIDER = recipe_from_dict({
               "num_query_groups": 4, "ffn_hidden_size": 768, "vocab_size": 1000,
               "seq_length": 128},
     "training": {"global_batch_size": 16, "micro_batch_size": 1}})
+# Six heads: TP groups of 3 and 6 GPUs are allowed (not only powers of two).
+THIRDS = recipe_from_dict({
+    "name": "thirds-toy",
+    "model": {"num_layers": 8, "hidden_size": 384, "num_attention_heads": 6,
+              "num_query_groups": 6, "ffn_hidden_size": 1152, "vocab_size": 1000,
+              "seq_length": 128},
+    "training": {"global_batch_size": 16, "micro_batch_size": 1}})
 
 CPU = dict(gpus_per_node=4, memory_per_gpu_gib=4, memory_reserved_gib=0.5, peak_tflops=0.05,
            efficiency_by_tp={1: 0.3, 2: 0.28, 4: 0.25}, intra_node_bandwidth_gb_s=2,
@@ -135,6 +142,9 @@ CASES = [
     (WIDER, TIGHT, 2, 4, [1]),
     (WIDER, TIGHT, 2, 4, [0, 5, 6]),
     (WIDER, TIGHT, 4, 2, [3]),
+    (THIRDS, {**TIGHT, "memory_per_gpu_gib": 0.08}, 1, 8, []),
+    (THIRDS, {**TIGHT, "memory_per_gpu_gib": 0.12}, 1, 8, [7]),
+    (THIRDS, {**TIGHT, "memory_per_gpu_gib": 0.12}, 1, 8, [6, 7]),
 ]
 
 

@@ -156,6 +156,6 @@ def _infeasible_message(cost: CostModel, recipe: Recipe, alive: int,
             f"GiB cover the {needed / GIB:.1f} GiB of model states and activations in total, "
             f"but no pipeline of at most {recipe.model.num_layers} stages with TP sizes "
             f"{list(sizes)} within a node fits each stage into "
-            f"{cost.capacity_bytes / GIB:.1f} GiB with 1F1B's in-flight activations and "
+            f"{cost.capacity_bytes / GIB:.3g} GiB with 1F1B's in-flight activations and "
             f"at least as many micro-batches ({cost.total_micro_batches}) as stages. Add "
             f"GPUs per node or use GPUs with more memory.")
