@@ -70,7 +70,8 @@ def diagram(result: Plan, full_step_s: float, tokens_per_step: int, title: str) 
             q += 1
         pipe, pcost = layout.pipelines[p], result.cost.pipelines[p]
         label = f"pipeline {p}" if p == q else f"pipelines {p}-{q} ({q - p + 1} alike, first shown)"
-        lines.append(f"{label}: {pipe.micro_batches} micro-batches, {len(pipe.stages)} stages, "
+        stages = f"{len(pipe.stages)} stage" + ("s" if len(pipe.stages) > 1 else "")
+        lines.append(f"{label}: {pipe.micro_batches} micro-batches, {stages}, "
                      f"{len(pipe.ranks)} GPUs, {pcost.time_s:.2f} s")
         for s, (stage, scost) in enumerate(zip(pipe.stages, pcost.stages)):
             layers = layout.layer_range(p, s)

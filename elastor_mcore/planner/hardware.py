@@ -51,6 +51,9 @@ class HardwareProfile:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise HardwareError(f"hardware.{name} must be a positive number, got {value!r}")
+        if not isinstance(self.gpus_per_node, int):
+            raise HardwareError(f"hardware.gpus_per_node must be an integer, got "
+                                f"{self.gpus_per_node!r}")
         for name in ("memory_reserved_gib", "intra_node_latency_us", "inter_node_latency_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -94,11 +97,20 @@ def hardware_from_dict(data: Any, name: str = "hardware") -> HardwareProfile:
         raise HardwareError(f"{name}: unknown field(s) {unknown}; known fields are "
                             f"{sorted(known)}")
     data = {"name": name, **data}
-    data["efficiency_by_tp"] = {int(k): float(v)
-                                for k, v in (data.get("efficiency_by_tp") or {}).items()}
-    data["measured_layer_ms"] = {
-        str(recipe): {int(k): float(v) for k, v in table.items()}
-        for recipe, table in (data.get("measured_layer_ms") or {}).items()}
+    try:
+        data["efficiency_by_tp"] = {int(k): float(v)
+                                    for k, v in (data.get("efficiency_by_tp") or {}).items()}
+    except (AttributeError, TypeError, ValueError):
+        raise HardwareError(f"{name}: efficiency_by_tp must map TP degrees to fractions, e.g. "
+                            f"{{1: 0.55, 8: 0.5}}; got {data.get('efficiency_by_tp')!r}") from None
+    try:
+        data["measured_layer_ms"] = {
+            str(recipe): {int(k): float(v) for k, v in table.items()}
+            for recipe, table in (data.get("measured_layer_ms") or {}).items()}
+    except (AttributeError, TypeError, ValueError):
+        raise HardwareError(f"{name}: measured_layer_ms must map recipe names to "
+                            f"{{tp: milliseconds}}, e.g. {{llama2-7b: {{8: 41.0}}}}; got "
+                            f"{data.get('measured_layer_ms')!r}") from None
     try:
         return HardwareProfile(**data)
     except TypeError as exc:
