@@ -6,7 +6,7 @@ stages); each pipeline splits the layers over its stages (every stage >= 1 layer
 its memory) and gets micro-batches (at least its stage count; all pipelines together
 exactly the global batch).
 
-How it is searched, and why each step is exact:
+How it is searched (steps 1-3 are exact; 4-5 are exact for small clusters and pools):
 
 1. **Groups are interchangeable by size.** The cost model charges a stage by TP degree,
    layer count and position only (see ``cost_model``), plus whether the layout spans
@@ -16,8 +16,9 @@ How it is searched, and why each step is exact:
    separately from the multi-node pool.
 2. **Pipeline shapes.** For each multiset of TP sizes the best pipeline is computed once
    (memoised): for each distinct stage order, the exact min-max layer split under
-   memory caps is a greedy that gives the next layer to the stage whose time grows
-   least (optimal for a maximum of increasing functions). Small multisets try every
+   memory caps starts from the continuous optimum rounded down and gives each further
+   layer to the stage whose time grows least (optimal for a maximum of increasing
+   functions). Small multisets try every
    distinct order; large ones try big-TP-first orders with each size as last stage
    (first stages keep the most micro-batches in flight; the last carries the output
    layer).
@@ -27,11 +28,15 @@ How it is searched, and why each step is exact:
    capacity at ``T``, trimmed from the slowest ones.
 4. **Packing pipelines.** Small pools (<= ``EXACT_POOL_GROUPS`` groups) enumerate every
    multiset of pipeline shapes that fits the pool, i.e. every number of pipelines and
-   assignment of groups. Large pools first fill most groups of a plentiful size with
-   copies of a uniform pipeline of that size (its two best stage counts by a continuous
-   estimate; all groups, or one pipeline's worth fewer), then enumerate packings of the
-   small residual (partial nodes and left-over plentiful groups, so residual pipelines
-   may mix sizes; past ``RESIDUAL_GROUPS`` the smallest groups stay idle).
+   assignment of groups, by branch and bound: a partial packing is dropped when even
+   ideal pipelines on its remaining groups cannot beat the best layout so far (the bound
+   carries over from pool to pool). Large pools consider pipelines of at most
+   ``EXTRA_STAGES`` more stages than the fewest that hold the model; they first fill
+   most groups of a plentiful size with copies of a uniform pipeline of that size (its
+   two best stage counts by a continuous estimate; all groups, or one pipeline's worth
+   fewer), then enumerate packings of the small residual (partial nodes and left-over
+   plentiful groups, so residual pipelines may mix sizes; past ``RESIDUAL_GROUPS`` the
+   smallest groups stay idle).
 5. **Pools.** Nodes with equal alive counts form a class. Small clusters
    (<= ``EXACT_CLUSTER_GPUS``) try every mix of partitions within each class. Larger
    ones cut all nodes of a class alike: every partition for a class of few nodes
