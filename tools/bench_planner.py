@@ -76,7 +76,8 @@ def bench_value() -> list[dict]:
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['dead']:>4} {r['alive']:>5} | {r['planner']:>7.1%} ({r['planner_gpus']:>2} GPUs) | "
+        print(f"{r['dead']:>4} {r['alive']:>5} | "
+              f"{r['planner']:>7.1%} ({r['planner_gpus']:>2} GPUs) | "
               f"{r['uniform']:>7.1%} ({r['uniform_gpus']:>2} GPUs, {r['uniform_layout']:<11}) | "
               f"{r['pow2']:>7.1%} ({r['pow2_gpus']:>2} GPUs)")
     return rows
