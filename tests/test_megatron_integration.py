@@ -119,6 +119,21 @@ def test_torch_dist_zarr_torch_dist_round_trip_is_bit_exact(world):
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
+def test_cli_converts_mcore_torch_dist_to_hf_through_zarr(world, tmp_path, capsys):
+    from elastor_mcore.cli import main
+
+    out, _, _ = world
+    assert main(["convert", str(out / "torch_dist"), str(tmp_path / "z"), "--to", "zarr",
+                 "--recipe", str(TINY)]) == 0
+    assert main(["convert", str(tmp_path / "z"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.lm_head.weight.shape == (500, 64)  # padded rows dropped
+    assert model.config.num_key_value_heads == 4
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_hf_llama_logits_match_transformers_on_hetero_layout(world):
     out, _, reference = world
     logits = torch.load(out / "logits.pt")

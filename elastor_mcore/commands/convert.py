@@ -26,8 +26,10 @@ def register(subparsers) -> None:
     parser.add_argument("dst", help="new directory to write")
     parser.add_argument("--to", required=True, choices=FORMATS, help="target format")
     parser.add_argument("--recipe", default=None,
-                        help="hf -> zarr: record this recipe's model (shapes must match "
-                             "config.json) so `elastor train --recipe` accepts it")
+                        help="-> zarr: record this recipe's model in the manifest, so "
+                             "`elastor train --recipe` accepts the checkpoint and --to hf "
+                             "can write config.json (from hf, shapes must match "
+                             "config.json)")
     parser.add_argument("--split-sizes", type=int, nargs="+", default=None, metavar="TP",
                         help="-> zarr: TP degrees the checkpoint will be loaded with "
                              "(default 1 2 4 8)")
@@ -60,11 +62,13 @@ def run(args: argparse.Namespace) -> int:
         kind = source_format(src)
         chunking = ChunkPolicy(split_sizes=tuple(args.split_sizes)) if args.split_sizes \
             else None
+        recipe = load_recipe(args.recipe) if args.recipe else None
         print(f"converting {kind} {src} -> {args.to} {dst}")
         if (kind, args.to) == ("torch_dist", "zarr"):
-            torch_dist.torch_dist_to_zarr(src, dst, chunking=chunking, progress=progress)
+            extra = {"model": recipe.to_dict()["model"]} if recipe else None
+            torch_dist.torch_dist_to_zarr(src, dst, manifest_extra=extra, chunking=chunking,
+                                          progress=progress)
         elif (kind, args.to) == ("hf", "zarr"):
-            recipe = load_recipe(args.recipe) if args.recipe else None
             hf_llama.hf_to_zarr(src, dst, recipe=recipe, chunking=chunking,
                                 progress=progress)
         elif (kind, args.to) == ("zarr", "torch_dist"):
