@@ -80,6 +80,16 @@ def test_memory_breakdown_of_a_bf16_stage():
     assert first.activations > mem.activations
 
 
+def test_communication_volumes():
+    cost = CostModel(LLAMA2_7B, A100)
+    message = 4096 * 4096 * 2  # one bf16 micro-batch of hidden states
+    middle = cost.stage_cost(tp=4, layers=8, position=1, num_stages=3, intra_node=False)
+    assert middle.p2p_bytes == 2 * message
+    assert middle.tp_comm_bytes == pytest.approx(8 * 4 * 2 * 3 / 4 * message)
+    alone = cost.stage_cost(tp=1, layers=32, position=0, num_stages=1, intra_node=True)
+    assert alone.p2p_bytes == 0 and alone.tp_comm_bytes == 0 and alone.p2p_s == 0
+
+
 def test_pipeline_time_has_the_1f1b_bubble():
     assert CostModel.pipeline_time_s(micro_batches=8, num_stages=4, bottleneck_s=1.0) == 11.0
 
@@ -142,6 +152,9 @@ def test_planner_is_never_worse_than_uniform_megatron(recipe, nodes):
         ours, uniform = plan(recipe, A100, alive), best_uniform(recipe, A100, alive)
         assert ours.step_s <= uniform.step_s * (1 + 1e-9)
         assert uniform.layout.is_uniform
+        for result in (ours, uniform):
+            assert all(stage.memory.total <= A100.memory_per_gpu_gib * GIB
+                       for pipe in result.cost.pipelines for stage in pipe.stages)
 
 
 def test_plans_1024_gpus_quickly():

@@ -67,6 +67,11 @@ class StageCost:
     """Compute of the stage's layers (and output layer), forward + backward, per micro-batch."""
     tp_comm_s: float
     p2p_s: float
+    tp_comm_bytes: float
+    """Bytes each GPU sends in TP collectives per micro-batch (ring: 2(tp-1)/tp per
+    all-reduce)."""
+    p2p_bytes: float
+    """Bytes the stage sends to its neighbour stages per micro-batch."""
     memory: MemoryBreakdown
 
     @property
@@ -281,10 +286,15 @@ class CostModel:
             compute, comm = layers * self.layer_compute_s(tp), layers * self.layer_tp_comm_s(tp)
         if last:
             compute += self.output_layer_compute_s(tp)
+        collectives = (layers * TP_COLLECTIVES_PER_LAYER + (TP_COLLECTIVES_EMBEDDING // 2) * first
+                       + TP_COLLECTIVES_EMBEDDING * last)
+        neighbours = self._neighbours(position, num_stages)
         return StageCost(
             tp=tp, layers=layers, compute_s=compute,
             tp_comm_s=comm + self._embedding_comm_s(tp, first, last),
-            p2p_s=self._neighbours(position, num_stages) * self.p2p_s(intra_node),
+            p2p_s=neighbours * self.p2p_s(intra_node),
+            tp_comm_bytes=collectives * 2 * (tp - 1) / tp * self._message_bytes,
+            p2p_bytes=neighbours * self._message_bytes,
             memory=self.stage_memory(tp, layers, position, num_stages))
 
     def step_cost(self, pipelines: list[tuple[int, list[tuple[int, int]]]],
