@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -315,3 +317,39 @@ def test_recipe_builds_transformer_config(name):
     assert config.params_dtype == (torch.bfloat16 if recipe.training.params_dtype ==
                                    "bfloat16" else torch.float32)
     assert model.padded_vocab_size % (tp * model.make_vocab_size_divisible_by) == 0
+
+
+# ----------------------------------------------------------------- patches
+
+
+def _patch_sides(patch: Path) -> tuple[str, str]:
+    """The text a patch expects (context and removed lines) and the text it leaves."""
+    before, after, in_hunk = [], [], False
+    for line in patch.read_text().splitlines(keepends=True):
+        if line.startswith("@@"):
+            in_hunk = True
+        elif in_hunk and line[:1] in (" ", "-", "+"):
+            if line[0] != "+":
+                before.append(line[1:])
+            if line[0] != "-":
+                after.append(line[1:])
+    return "".join(before), "".join(after)
+
+
+@pytest.mark.parametrize("patch", sorted((REPO / "patches").glob("*.patch")),
+                         ids=lambda p: p.name)
+def test_apply_script_dry_runs_applies_the_fitting_patch_once(patch, tmp_path):
+    script = REPO / "tools" / "apply_megatron_patch.sh"
+    assert "Applies to: NVIDIA/Megatron-LM " in patch.read_text()
+    before, after = _patch_sides(patch)
+    target = tmp_path / "pretrain_gpt.py"
+    target.write_text(before)
+    result = subprocess.run([str(script), str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert f"dry run OK: {patch.name}" in result.stdout
+    assert target.read_text() == after
+    again = subprocess.run([str(script), str(tmp_path)], capture_output=True, text=True)
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    target.write_text("print('not Megatron-LM')\n")
+    refused = subprocess.run([str(script), str(tmp_path)], capture_output=True, text=True)
+    assert refused.returncode == 1 and target.read_text() == "print('not Megatron-LM')\n"
