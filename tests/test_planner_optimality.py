@@ -70,13 +70,10 @@ def _set_partitions(items: list):
 
 def _node_groupings(alive: int, sizes: tuple[int, ...]):
     """Every multiset of group sizes using at most ``alive`` GPUs (the rest idle)."""
-    out = set()
-    for k in range(alive + 1):
-        for n in range(k + 1):
-            for combo in itertools.combinations_with_replacement(sizes, n):
-                if sum(combo) <= alive:
-                    out.add(tuple(sorted(combo, reverse=True)))
-    return sorted(out)
+    return sorted(tuple(sorted(combo, reverse=True))
+                  for n in range(alive + 1)
+                  for combo in itertools.combinations_with_replacement(sizes, n)
+                  if sum(combo) <= alive)
 
 
 def exhaustive_best(cost: CostModel, alive_by_node: dict[int, int],
