@@ -20,6 +20,8 @@ from elastor_mcore.checkpointing import (
     check_resumable, chunk_policy, describe_load, manifest_fields, restore_non_tensor_state,
     state_shards)
 from elastor_mcore.data import SampleSource, SyntheticTokens, pipeline_micro_batches
+from elastor_mcore.datasets.config import DataConfig
+from elastor_mcore.datasets.source import build_sample_source, pipeline_sample_indices
 from elastor_mcore.grad_sync import GradientSynchronizer
 from elastor_mcore.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.layout import Layout
@@ -64,8 +66,8 @@ class RunConfig:
     seed: int
     on_step: Callable[[StepMetrics], None] | None = None
     """Called on the reporting rank (the lowest active rank) after every step."""
-    source: SampleSource | None = None
-    """Training samples; defaults to the recipe's synthetic tokens."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where samples come from (default: the seed's synthetic tokens)."""
     save_dir: str | None = None
     """Checkpoint root; a step is saved every ``save_interval`` steps and at the end."""
     save_interval: int = 0
@@ -230,6 +232,20 @@ def save(runner: StageRunner, cfg: RunConfig, saver: checkpoint.CheckpointManage
                       manifest_fields(cfg.recipe, cfg.layout, step, cfg.seed, runner.optimizer))
 
 
+def open_sample_source(runner: StageRunner, cfg: RunConfig, start: int) -> SampleSource:
+    """This rank's samples from step ``start`` on. Only the first stage (tokens) and the
+    last (labels) read data; a corpus source prepares exactly their samples ahead."""
+    model_cfg = cfg.recipe.model
+    groups = runner.groups
+    if cfg.data.kind == "synthetic" or not (groups.is_first_stage or groups.is_last_stage):
+        return SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
+    training = cfg.recipe.training
+    indices = pipeline_sample_indices(cfg.layout, groups.position.pipeline,
+                                      training.global_batch_size, training.micro_batch_size,
+                                      start, cfg.steps)
+    return build_sample_source(cfg.data, cfg.recipe, indices)
+
+
 def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     """Set up this rank for ``cfg.layout``, resume if asked, train until step
     ``cfg.steps`` and save every ``cfg.save_interval`` steps."""
@@ -241,8 +257,7 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     load_s = time.perf_counter() - load_start
     if cfg.save_dir and runner.groups.rank == min(cfg.layout.ranks):
         checkpoint.remove_stale(cfg.save_dir)
-    model_cfg = cfg.recipe.model
-    source = cfg.source or SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
+    source = open_sample_source(runner, cfg, start)
     saver = checkpoint_manager(runner, cfg) if cfg.save_dir else None
     metrics = []
     cfg.hooks.ready(start, load_s)
@@ -264,4 +279,6 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
         cfg.hooks.step_end(done)
     if saver:
         saver.close()
+    if hasattr(source, "close"):
+        source.close()
     return metrics

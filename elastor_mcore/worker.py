@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastor_mcore.compat import cpu
+from elastor_mcore.datasets.config import DataConfig
 from elastor_mcore.elastic import rank_hooks
 from elastor_mcore.layout import load_layout
 from elastor_mcore.recipe import load_recipe
@@ -35,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-interval", type=int, default=0)
     parser.add_argument("--keep-checkpoints", type=int, default=2)
     parser.add_argument("--load", default=None)
+    parser.add_argument("--data-config", type=DataConfig.from_json, default=DataConfig(),
+                        help="DataConfig as JSON (elastor train/launch pass it)")
     parser.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--save-when-busy", choices=("wait", "skip"), default="wait")
     parser.add_argument("--on-save-error", choices=("stop", "continue"), default="stop")
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                         save_dir=args.save, save_interval=args.save_interval,
                         keep_checkpoints=args.keep_checkpoints, load_dir=args.load,
                         async_save=args.async_save, save_when_busy=args.save_when_busy,
-                        on_save_error=args.on_save_error,
+                        on_save_error=args.on_save_error, data=args.data_config,
                         hooks=rank_hooks.from_args(args, dist.get_rank())))
     finally:
         if printer:

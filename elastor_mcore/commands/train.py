@@ -6,6 +6,9 @@ import argparse
 import sys
 
 from elastor_mcore.checkpoint import CheckpointError
+from elastor_mcore.datasets.config import DataConfig, add_data_args, data_config_from_args
+from elastor_mcore.datasets.errors import DataError
+from elastor_mcore.datasets.source import prepare_data
 from elastor_mcore.launch import run_torchrun
 from elastor_mcore.layout import LayoutError, load_layout
 from elastor_mcore.recipe import RecipeError, load_recipe
@@ -46,6 +49,7 @@ def register(subparsers) -> None:
     parser.add_argument("--load", default=None, metavar="DIR",
                         help="resume from the latest committed step under DIR, under the "
                              "current layout (weights, optimizer, RNG, data position, step)")
+    add_data_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -64,7 +68,13 @@ def run(args: argparse.Namespace) -> int:
         seed = recipe.training.seed if args.seed is None else args.seed
         if args.load:
             check_resume_source(args.load, recipe, seed)
-    except (RecipeError, LayoutError, CheckpointError) as exc:
+        data = data_config_from_args(args, default=DataConfig(kind="synthetic"))
+        print(f"elastor train: data: {data.describe()}", flush=True)
+        summary = prepare_data(data, recipe)
+        if summary.index_built:
+            print(f"elastor train: indexed {summary.documents:,} documents "
+                  f"({summary.tokens:,} tokens) in {summary.seconds:.1f}s", flush=True)
+    except (RecipeError, LayoutError, CheckpointError, DataError) as exc:
         print(f"elastor train: {exc}", file=sys.stderr)
         return 2
     if args.steps <= 0:
@@ -91,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
                         "--on-save-error", args.on_save_error]
     if args.load:
         worker_args += ["--load", args.load]
+    worker_args += ["--data-config", data.to_json()]
     result = run_torchrun(world, "elastor_mcore.worker", worker_args)
     if result.returncode:
         print(f"elastor train: a rank failed (exit code {result.returncode}); its error is "

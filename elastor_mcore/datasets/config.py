@@ -8,8 +8,9 @@ launch with a message that names the flag and the fix.
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -44,6 +45,20 @@ class DataConfig:
     @property
     def index_processes(self) -> int:
         return self.index_workers or os.cpu_count() or 1
+
+    def to_json(self) -> str:
+        """One command-line value: how launchers hand the config to every rank."""
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> "DataConfig":
+        data = json.loads(text)
+        return DataConfig(**{**data, "paths": tuple(data["paths"])})
+
+    def describe(self) -> str:
+        if self.kind == "synthetic":
+            return "synthetic tokens"
+        return f"{self.kind} {' '.join(self.paths)} (tokenizer {self.tokenizer})"
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
