@@ -32,8 +32,8 @@ from elastor_mcore.datasets.config import DataConfig  # noqa: E402
 from elastor_mcore.datasets.corpus import iter_texts, resolve_corpus  # noqa: E402
 from elastor_mcore.datasets.doc_index import CACHE_DIR_NAME, load_index  # noqa: E402
 from elastor_mcore.datasets.packing import PackingPlan  # noqa: E402
-from elastor_mcore.datasets.source import (build_sample_source, pipeline_sample_indices,  # noqa: E402
-                                           prepare_data)
+from elastor_mcore.datasets.source import (  # noqa: E402
+    build_sample_source, pipeline_sample_indices, prepare_data)
 from elastor_mcore.datasets.stdlib_corpus import write_stdlib_corpus  # noqa: E402
 from elastor_mcore.datasets.tasks import JsonlSpec, open_jsonl_samples  # noqa: E402
 from elastor_mcore.datasets.tokenizer import TOKENIZER_FILE, train_tokenizer  # noqa: E402

@@ -55,7 +55,8 @@ class PackingPlan:
         """Document order of an epoch and the stream position where each one ends."""
         if epoch not in self._epochs:
             if self.shuffle:
-                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.token_counts))
+                rng = np.random.default_rng([self.seed, epoch])
+                order = rng.permutation(len(self.token_counts))
             else:
                 order = np.arange(len(self.token_counts))
             self._epochs[epoch] = (order, np.cumsum(self.token_counts[order] + 1))
