@@ -8,12 +8,17 @@ import argparse
 import shutil
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
 from elastor_mcore.commands.launch import StepPrinter, print_summary
 from elastor_mcore.commands.plan import diagram
+from elastor_mcore.datasets.config import DataConfig
+from elastor_mcore.datasets.errors import DataError
+from elastor_mcore.datasets.source import prepare_data
+from elastor_mcore.datasets.stdlib_corpus import prepare_demo_data
 from elastor_mcore.elastic.failures import Failure, FailurePlanError
 from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.report import read_metrics, write_report
@@ -29,9 +34,12 @@ TOLERANCE = 1e-5
 REFERENCE_LAYOUT = "dp2-tp1-pp1"
 """Losses do not depend on the layout; two plain data-parallel ranks use both cores of a
 small machine (each rank runs one BLAS thread) and halve the reference's time."""
+CORPUS_MB = 4.0
+"""Plenty for 40 steps of 16 x 32 tokens, and quick to tokenise on a small machine."""
 OUTPUTS = ("checkpoints", "reference", "report.md", "loss.png", "timeline.json",
            "failure-plan.yaml")
-"""What the demo writes into --out (and removes there before it starts)."""
+"""What the demo writes into --out (and removes there before it starts); the corpus
+and tokenizer in ``--out/data`` are kept and reused."""
 
 
 def register(subparsers) -> None:
@@ -54,6 +62,9 @@ def register(subparsers) -> None:
                         help="the slot that hangs and the step it hangs at (default 27:6)")
     parser.add_argument("--heartbeat-timeout", type=float, default=20.0, metavar="S")
     parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    parser.add_argument("--synthetic-data", action="store_true",
+                        help="train on seeded random tokens instead of the demo corpus "
+                             "(Python sources of this machine, made once under --out/data)")
     parser.set_defaults(func=run)
 
 
@@ -78,13 +89,25 @@ def clean(out: Path) -> None:
             shutil.rmtree(path)
 
 
-def run_reference(recipe_path: str, steps: int, out: Path) -> float:
+def demo_data(args: argparse.Namespace, recipe, out: Path) -> DataConfig:
+    """The demo corpus (made and tokenised the first time) or synthetic tokens."""
+    if args.synthetic_data:
+        return DataConfig(kind="synthetic")
+    data = prepare_demo_data(out / "data", recipe, max_mb=CORPUS_MB)
+    summary = prepare_data(data, recipe)
+    print(f"{PREFIX}:   {summary.documents:,} documents, {summary.tokens:,} tokens",
+          flush=True)
+    return data
+
+
+def run_reference(recipe_path: str, steps: int, data: DataConfig, out: Path) -> float:
     """The uninterrupted run on ``REFERENCE_LAYOUT``."""
     out.mkdir(parents=True)
     start = time.perf_counter()
     result = run_torchrun(2, "elastor_mcore.worker",
                           ["--recipe", recipe_path, "--layout", REFERENCE_LAYOUT,
-                           "--steps", str(steps), "--metrics-out", str(out / "metrics.jsonl")],
+                           "--steps", str(steps), "--metrics-out", str(out / "metrics.jsonl"),
+                           "--data-config", data.to_json()],
                           capture=True)
     (out / "torchrun.log").write_text(result.stdout + result.stderr)
     if result.returncode:
@@ -136,17 +159,26 @@ def run(args: argparse.Namespace) -> int:
         {"failures": [{"step": f.step, "slot": f.slot, "kind": f.kind} for f in failures]},
         sort_keys=False))
 
-    print(f"{PREFIX}: [1/3] reference: {args.steps} uninterrupted steps on "
+    print(f"{PREFIX}: [1/4] data: " + ("synthetic tokens" if args.synthetic_data else
+                                       f"the demo corpus under {out / 'data'}"), flush=True)
+    try:
+        data = demo_data(args, recipe, out)
+    except DataError as exc:
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
+        return 2
+    config = replace(config, data=data)
+
+    print(f"{PREFIX}: [2/4] reference: {args.steps} uninterrupted steps on "
           f"{REFERENCE_LAYOUT} ...", flush=True)
     try:
-        took = run_reference(args.recipe, args.steps, out / "reference")
+        took = run_reference(args.recipe, args.steps, data, out / "reference")
     except RuntimeError as exc:
         print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 1
     reference = {m["step"]: m["loss"] for m in read_metrics(out / "reference" / "metrics.jsonl")}
     print(f"{PREFIX}:   done in {took:.0f}s, final loss {reference[args.steps]:.6f}", flush=True)
 
-    print(f"{PREFIX}: [2/3] elastic run under the supervisor ...", flush=True)
+    print(f"{PREFIX}: [3/4] elastic run under the supervisor ...", flush=True)
     start = time.perf_counter()
     supervisor = Supervisor(config, on_message=lambda line: print(f"{PREFIX}:   {line}",
                                                                   flush=True),
@@ -154,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     outcome = supervisor.run()
     elastic_s = time.perf_counter() - start
 
-    print(f"{PREFIX}: [3/3] report ...", flush=True)
+    print(f"{PREFIX}: [4/4] report ...", flush=True)
     items = recoveries(outcome.launches)
     layouts = " -> ".join(str(len(l.slots)) for l in outcome.launches)
     summary = (f"{'Finished' if outcome.finished else 'FAILED'}: {outcome.reason}. "
@@ -167,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
                                       for f in failures),
                 "heartbeat timeout": f"{args.heartbeat_timeout:.0f}s after the first step, "
                                      f"{args.startup_timeout:.0f}s before",
-                "data": "synthetic tokens (seeded; the same under every layout)",
+                "data": data.describe() + " (samples are the same under every layout)",
                 "reference": f"the same steps uninterrupted on {REFERENCE_LAYOUT} (2 "
                              f"data-parallel ranks, no failure)"}
     worst = write_report(out, "elastor demo: recovery on the survivors",

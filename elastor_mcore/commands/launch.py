@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from elastor_mcore.datasets.config import DataConfig, add_data_args, data_config_from_args
+from elastor_mcore.datasets.errors import DataError
+from elastor_mcore.datasets.source import prepare_data
 from elastor_mcore.elastic.failures import FailurePlanError, load_failure_plan
 from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.supervisor import Outcome, Supervisor, SupervisorConfig
@@ -22,8 +25,7 @@ def register(subparsers) -> None:
         description="Plan a layout for the slots, run it under torchrun and watch it. "
                     "When a rank exits non-zero or stops heart-beating, stop the job, find "
                     "the surviving slots, re-plan and relaunch from the latest committed "
-                    "checkpoint. Arguments after '--' go to every worker unchanged "
-                    "(e.g. data flags).")
+                    "checkpoint.")
     parser.add_argument("--recipe", required=True, help="recipe YAML (model + training)")
     parser.add_argument("--hardware", required=True,
                         help="hardware profile YAML for the planner, e.g. "
@@ -53,8 +55,7 @@ def register(subparsers) -> None:
                         help="cuda probes each GPU after a failure (default: cuda if "
                              "available)")
     parser.add_argument("--probe-timeout", type=float, default=60.0, metavar="S")
-    parser.add_argument("worker_args", nargs=argparse.REMAINDER,
-                        help="'--' then arguments for every worker")
+    add_data_args(parser)
     parser.set_defaults(func=run)
 
 
@@ -80,7 +81,6 @@ def build_config(args: argparse.Namespace) -> SupervisorConfig:
     if count <= 0:
         raise ValueError(f"--slots must be positive, got {count}")
     failures = load_failure_plan(args.failure_plan) if args.failure_plan else ()
-    extra = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
     return SupervisorConfig(
         recipe=recipe, recipe_path=args.recipe, hardware=hardware,
         slots=tuple(range(count)), steps=args.steps, run_dir=Path(args.run_dir),
@@ -89,7 +89,8 @@ def build_config(args: argparse.Namespace) -> SupervisorConfig:
         failure_plan=args.failure_plan, max_restarts=args.max_restarts,
         hang=HangPolicy(startup_timeout_s=args.startup_timeout,
                         timeout_s=args.heartbeat_timeout),
-        devices=kind, probe_timeout_s=args.probe_timeout, worker_extra_args=tuple(extra))
+        devices=kind, probe_timeout_s=args.probe_timeout,
+        data=data_config_from_args(args, default=DataConfig(kind="synthetic")))
 
 
 class StepPrinter:
@@ -118,12 +119,14 @@ def print_summary(outcome: Outcome, prefix: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    prefix = "elastor launch"
     try:
         config = build_config(args)
-    except (RecipeError, HardwareError, FailurePlanError, ValueError) as exc:
-        print(f"elastor launch: {exc}", file=sys.stderr)
+        print(f"{prefix}: data: {config.data.describe()}", flush=True)
+        prepare_data(config.data, config.recipe)  # once, before any rank starts
+    except (RecipeError, HardwareError, FailurePlanError, DataError, ValueError) as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
         return 2
-    prefix = "elastor launch"
     supervisor = Supervisor(config, on_message=lambda line: print(f"{prefix}: {line}",
                                                                   flush=True),
                             on_step=StepPrinter(config.steps, prefix=prefix))

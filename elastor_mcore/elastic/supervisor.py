@@ -33,6 +33,7 @@ import psutil
 
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
+from elastor_mcore.datasets.config import DataConfig
 from elastor_mcore.elastic import probe
 from elastor_mcore.elastic.failures import Failure, validate
 from elastor_mcore.elastic.heartbeat import HEARTBEAT_DIR, HangPolicy, read_beats
@@ -69,8 +70,8 @@ class SupervisorConfig:
     hang: HangPolicy = HangPolicy()
     devices: Literal["cpu", "cuda"] = "cpu"
     probe_timeout_s: float = 60.0
-    worker_extra_args: tuple[str, ...] = ()
-    """Passed to every worker unchanged (e.g. data flags)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """What to train on; prepare it once beforehand (``datasets.source.prepare_data``)."""
     poll_s: float = 0.2
 
     def __post_init__(self) -> None:
@@ -237,7 +238,8 @@ class Supervisor:
             args += ["--seed", str(cfg.seed)]
         if record.resumed_from is not None:
             args += ["--load", str(cfg.checkpoint_dir)]
-        args += worker_args(out, slots, cfg.failure_plan) + list(cfg.worker_extra_args)
+        args += ["--data-config", cfg.data.to_json()]
+        args += worker_args(out, slots, cfg.failure_plan)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if cfg.devices == "cuda" \
             else None
         with open(out / "torchrun.log", "w") as log_file:
