@@ -85,17 +85,19 @@ class BackgroundSave:
     def _run(self) -> None:
         job = self.job
         start = time.perf_counter()
+        marks = not job.coordinator and bool(job.sources)  # the coordinator waits for it
         try:
             if job.coordinator:
                 remove_stale(job.tmp.parent, keep=job.tmp.name)
             write_share(job.tmp, job.plan, job.sources, job.coordinator)
+            if marks:
+                write_durably(done_marker(job.tmp, job.rank), f"{time.time()}\n")
         except BaseException as exc:  # reported through the marker and join()
             self.error = exc
-            if not job.coordinator:
+            if marks:
                 _mark_failed(job.tmp, job.rank, exc)
             return
         if not job.coordinator:
-            write_durably(done_marker(job.tmp, job.rank), f"{time.time()}\n")
             log.info("rank %d wrote its part of step %d in %.3fs", job.rank, job.step,
                      time.perf_counter() - start)
             return
