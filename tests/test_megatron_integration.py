@@ -20,8 +20,13 @@ from elastor_mcore.convert import hf_llama
 from elastor_mcore.recipe import load_recipe
 from tests.conftest import REPO, TINY, run_world
 
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+try:  # the "hf" extra
+    import transformers
+    from safetensors import torch as safetensors_torch
+except ImportError:
+    transformers = safetensors_torch = None
+needs_hf = pytest.mark.skipif(transformers is None, reason="needs the hf extra: pip install "
+                              "transformers safetensors")
 
 HF_SEED = 5
 
@@ -43,6 +48,8 @@ def tiny_hf_model():
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
     """An HF directory, its zarr conversion, input tokens and transformers' logits."""
+    if transformers is None:
+        pytest.skip("needs the hf extra: pip install transformers safetensors")
     root = tmp_path_factory.mktemp("hf")
     model = tiny_hf_model()
     model.save_pretrained(root / "hf", safe_serialization=True)
@@ -56,12 +63,14 @@ def hf_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world(hf_checkpoint, tmp_path_factory):
-    root, reference = hf_checkpoint
+def world(request, tmp_path_factory):
+    """The 4-rank world; it also runs the HF model when the hf extra is installed."""
     out = tmp_path_factory.mktemp("megatron_world")
-    run_world(4, "tests.workers.megatron_integration",
-              ["--out", str(out), "--recipe", str(TINY), "--hf-zarr", str(root / "hf_zarr"),
-               "--tokens", str(root / "tokens.pt")], timeout=400)
+    args, reference = ["--out", str(out), "--recipe", str(TINY)], None
+    if transformers is not None:
+        root, reference = request.getfixturevalue("hf_checkpoint")
+        args += ["--hf-zarr", str(root / "hf_zarr"), "--tokens", str(root / "tokens.pt")]
+    run_world(4, "tests.workers.megatron_integration", args, timeout=400)
     return out, json.loads((out / "result.json").read_text()), reference
 
 
@@ -121,6 +130,7 @@ def test_torch_dist_zarr_torch_dist_round_trip_is_bit_exact(world):
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
+@needs_hf
 def test_cli_converts_mcore_torch_dist_to_hf_through_zarr(world, tmp_path, capsys):
     from elastor_mcore.cli import main
 
@@ -136,6 +146,7 @@ def test_cli_converts_mcore_torch_dist_to_hf_through_zarr(world, tmp_path, capsy
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
+@needs_hf
 def test_hf_llama_logits_match_transformers_on_hetero_layout(world):
     out, _, reference = world
     logits = torch.load(out / "logits.pt")
@@ -146,6 +157,7 @@ def test_hf_llama_logits_match_transformers_on_hetero_layout(world):
 
 
 @pytest.mark.timeout(120)
+@needs_hf
 def test_hf_zarr_hf_round_trip_is_bit_exact(hf_checkpoint, tmp_path):
     root, _ = hf_checkpoint
     hf_llama.zarr_to_hf(root / "hf_zarr", tmp_path / "hf", max_shard_bytes=300_000)
@@ -184,6 +196,7 @@ def test_cli_convert_rejects_unknown_source(tmp_path, capsys):
     assert "is not a torch_dist, Hugging Face or elastor checkpoint" in capsys.readouterr().err
 
 
+@needs_hf
 def test_cli_convert_hf_to_zarr_prints_progress(hf_checkpoint, tmp_path, capsys):
     from elastor_mcore.checkpoint import open as open_checkpoint
     from elastor_mcore.cli import main

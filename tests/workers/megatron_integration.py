@@ -219,8 +219,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--recipe", required=True)
-    parser.add_argument("--hf-zarr", required=True)
-    parser.add_argument("--tokens", required=True)
+    parser.add_argument("--hf-zarr", default=None, help="omit to skip the HF forward")
+    parser.add_argument("--tokens", default=None)
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -237,7 +237,8 @@ def main() -> None:
     report = {"rank": dist.get_rank(),
               "hooks": check_hooks(recipe, out, ZarrSaveSettings(chunking=chunking)),
               "mcore": check_mcore_conversion(recipe, out, chunking)}
-    hf_logits(recipe, Path(args.hf_zarr), torch.load(args.tokens), out)
+    if args.hf_zarr:
+        hf_logits(recipe, Path(args.hf_zarr), torch.load(args.tokens), out)
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:
