@@ -140,9 +140,9 @@ def test_indexed_resume_under_another_layout_matches_jsonl(corpus, indexed):
     for step, batch in zip(range(k, k + 6), resumed):
         assert torch.equal(batch, uninterrupted[step]), f"step {step} differs after resume"
     assert all(torch.equal(a, b) for a, b in zip(uninterrupted, _reference(corpus, range(k + 6))))
-    summary = prepare_data(indexed, RECIPE)
+    summary, jsonl = prepare_data(indexed, RECIPE), prepare_data(corpus, RECIPE)
     assert summary.kind == "indexed"
-    assert summary.tokens == prepare_data(corpus, RECIPE).tokens
+    assert (summary.tokens, summary.fingerprint) == (jsonl.tokens, jsonl.fingerprint)
     with build_sample_source(indexed, RECIPE, range(1)) as source:
         source.vocab_size = 5   # as if the dataset came from a bigger tokenizer
         with pytest.raises(DataError, match="made with another tokenizer"):
@@ -308,6 +308,7 @@ def test_changed_corpus_or_tokenizer_rebuilds_the_index(tmp_path, corpus):
         handle.write(json.dumps({"text": "one more document"}) + "\n")
     second = prepare_data(cfg, RECIPE)
     assert second.index_built and second.documents == first.documents + 1
+    assert second.fingerprint != first.fingerprint
     retrained = tmp_path / "tok2"
     train_tokenizer(iter_texts(resolve_corpus([directory]), "fail"), 280, retrained)
     third = prepare_data(DataConfig(**{**cfg.__dict__, "tokenizer": str(retrained)}), RECIPE)

@@ -10,6 +10,7 @@ the first index a restarted rank asks for: nothing before it is read or tokenise
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -43,6 +44,10 @@ class DataSummary:
     documents: int = 0
     tokens: int = 0
     samples_per_epoch: int = 0
+    fingerprint: str = "synthetic"
+    """Identifies the sample stream (documents' token counts, tokenizer, shuffle), not
+    where the files are: record it with a checkpoint and compare it on resume to catch a
+    changed corpus. A JSONL corpus and the indexed dataset built from it agree."""
     index_path: str | None = None
     index_built: bool = False
     seconds: float = 0.0
@@ -55,10 +60,10 @@ def prepare_data(cfg: DataConfig, recipe: Recipe) -> DataSummary:
     if cfg.kind == "synthetic":
         return DataSummary(kind="synthetic")
     if cfg.kind == "indexed":
-        packed = _indexed_samples(cfg, recipe, tokenizer)
-        counts = packed.plan.token_counts
-        return DataSummary("indexed", len(counts), int(counts.sum()),
-                           packed.plan.samples_per_epoch, seconds=time.monotonic() - began)
+        plan = _indexed_samples(cfg, recipe, tokenizer).plan
+        return DataSummary("indexed", len(plan.token_counts), int(plan.token_counts.sum()),
+                           plan.samples_per_epoch, _fingerprint(plan, tokenizer),
+                           seconds=time.monotonic() - began)
     files = resolve_corpus(cfg.paths)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(cfg.paths)
     index, built = load_or_build_index(files, tokenizer, cache_dir, cfg.index_processes)
@@ -68,9 +73,16 @@ def prepare_data(cfg: DataConfig, recipe: Recipe) -> DataSummary:
                         f"blank, has an empty text, or is malformed)")
     plan = _plan(index.token_counts, cfg, recipe)
     summary = DataSummary("jsonl", index.num_documents, index.num_tokens, plan.samples_per_epoch,
-                          index.path, built, time.monotonic() - began)
+                          _fingerprint(plan, tokenizer), index.path, built,
+                          time.monotonic() - began)
     log.info("data: %s", summary)
     return summary
+
+
+def _fingerprint(plan: PackingPlan, tokenizer: TextTokenizer) -> str:
+    digest = hashlib.sha256(plan.token_counts.astype(np.int64).tobytes())
+    digest.update(f"{tokenizer.fingerprint} shuffle={plan.shuffle}".encode())
+    return digest.hexdigest()[:16]
 
 
 def _plan(token_counts: np.ndarray, cfg: DataConfig, recipe: Recipe) -> PackingPlan:
