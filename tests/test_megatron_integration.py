@@ -207,6 +207,8 @@ def test_cli_convert_hf_to_zarr_prints_progress(hf_checkpoint, tmp_path, capsys)
     assert "[59/59] output_layer.weight" in capsys.readouterr().out
     reader = open_checkpoint(tmp_path / "z")
     assert reader.manifest.model == load_recipe(TINY).to_dict()["model"]
+    assert main(["convert", str(root / "hf"), str(tmp_path / "z"), "--to", "zarr"]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
     assert torch.equal(reader.read("embedding.word_embeddings.weight")[500:],
                        torch.zeros(12, 64))
 

@@ -35,6 +35,9 @@ class StreamingZarrWriter:
                  *, step: int = 0, manifest_extra: dict[str, Any] | None = None,
                  chunking: ChunkPolicy | None = None) -> None:
         self.path = Path(path)
+        if self.path.exists() and any(self.path.iterdir()):
+            raise CheckpointError(f"{self.path} exists and is not empty; choose a new "
+                                  f"directory")
         self.tmp = self.path.parent / tmp_name(self.path.name)
         self.step, self.manifest_extra = step, manifest_extra
         policy = chunking or ChunkPolicy()
