@@ -7,9 +7,11 @@ it is not meant to be run by hand.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
+import statistics
 import sys
 import warnings
 
@@ -60,12 +62,15 @@ class MetricsPrinter:
 
     Save figures: the time a save blocked training (``save 0.012s``) and, for a step
     that began while a save was still being written in the background, its overhead
-    over the mean of the steps that ran without one (``bg-save +8%``).
+    over the median of the last ``QUIET_WINDOW`` steps that ran without one
+    (``bg-save +8%``; a recent median, so that slow first steps do not hide it).
     """
+
+    QUIET_WINDOW = 5
 
     def __init__(self, path: str | None) -> None:
         self.file = open(path, "w") if path else None
-        self.quiet_time, self.quiet_steps = 0.0, 0
+        self.quiet: collections.deque[float] = collections.deque(maxlen=self.QUIET_WINDOW)
 
     def __call__(self, m: StepMetrics) -> None:
         record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm,
@@ -74,15 +79,14 @@ class MetricsPrinter:
         line = (f"step {m.step:5d}  loss {m.loss:.6f}  grad_norm {m.grad_norm:.4f}  "
                 f"time {m.time_s:.3f}s")
         if m.save_in_flight:
-            if self.quiet_steps:
-                overhead = m.time_s / (self.quiet_time / self.quiet_steps) - 1
+            if self.quiet:
+                overhead = m.time_s / statistics.median(self.quiet) - 1
                 record["save_overhead"] = overhead
                 line += f"  bg-save {overhead:+.0%}"
             else:
                 line += "  bg-save"
         else:
-            self.quiet_time += m.time_s
-            self.quiet_steps += 1
+            self.quiet.append(m.time_s)
         if m.save_block_s is not None:
             line += f"  save {m.save_block_s:.3f}s"
         print(line, flush=True)
