@@ -10,6 +10,8 @@ import argparse
 import io
 import json
 import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -368,3 +370,31 @@ def test_apply_script_dry_runs_applies_the_fitting_patch_once(patch, tmp_path):
     target.write_text("print('not Megatron-LM')\n")
     refused = subprocess.run([str(script), str(tmp_path)], capture_output=True, text=True)
     assert refused.returncode == 1 and target.read_text() == "print('not Megatron-LM')\n"
+
+
+def test_hooks_patch_the_names_megatron_training_imported(monkeypatch):
+    """megatron.training is not in the 0.16 wheel: stand in for its checkpointing module."""
+    from elastor_mcore import megatron_hooks
+    from elastor_mcore.layout import layout_from_dict
+
+    training = types.ModuleType("megatron.training")
+    checkpointing = types.ModuleType("megatron.training.checkpointing")
+    checkpointing.get_default_load_sharded_strategy = lambda path: "torch_dist strategy"
+    checkpointing._build_sharded_state_dict_metadata = lambda args: {
+        "singleton_local_shards": False}
+    training.checkpointing = checkpointing
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
+    layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
+        {"tp": 2, "layers": 8}]}]})
+    megatron_hooks.install(megatron_hooks.ElastorOptions(layout=layout, ckpt_format="zarr"))
+    try:
+        assert checkpointing._build_sharded_state_dict_metadata(None) == {
+            "singleton_local_shards": True}
+        assert checkpointing.get_default_load_sharded_strategy("/nonexistent") == \
+            "torch_dist strategy"
+    finally:
+        megatron_hooks.uninstall()
+    assert checkpointing.get_default_load_sharded_strategy("/x") == "torch_dist strategy"
+    assert checkpointing._build_sharded_state_dict_metadata(None) == {
+        "singleton_local_shards": False}
