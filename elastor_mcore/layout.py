@@ -28,6 +28,7 @@ from typing import Any, Iterator
 import yaml
 
 from elastor_mcore.recipe import Recipe
+from elastor_mcore.yamlfile import read_yaml_file
 
 
 class LayoutError(ValueError):
@@ -258,15 +259,10 @@ def load_layout(spec: str | Path, recipe: Recipe) -> Layout:
                 raise LayoutError(f"layout shorthand {spec}: {name} must be positive")
         layout = uniform_layout(dp, tp, pp, recipe)
     else:
-        path = Path(spec)
-        if not path.is_file():
+        if not Path(spec).is_file():
             raise LayoutError(
                 f"layout {spec!s} is neither a shorthand like dp2-tp2-pp2 nor an existing "
                 f"YAML file")
-        try:
-            data = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as exc:
-            raise LayoutError(f"layout file {path} is not valid YAML: {exc}") from None
-        layout = layout_from_dict(data)
+        layout = layout_from_dict(read_yaml_file(spec, "layout file", LayoutError))
     layout.validate(recipe)
     return layout

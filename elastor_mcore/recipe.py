@@ -13,7 +13,7 @@ from functools import reduce
 from pathlib import Path
 from typing import Any
 
-import yaml
+from elastor_mcore.yamlfile import read_yaml_file
 
 
 class RecipeError(ValueError):
@@ -166,11 +166,5 @@ def recipe_from_dict(data: dict[str, Any], name: str = "recipe") -> Recipe:
 
 def load_recipe(path: str | Path) -> Recipe:
     """Read a recipe YAML file; errors name the file and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe file {path} is not valid YAML: {exc}") from None
-    return recipe_from_dict(data, name=path.stem)
+    data = read_yaml_file(path, "recipe file", RecipeError)
+    return recipe_from_dict(data, name=Path(path).stem)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
+from elastor_mcore.yamlfile import read_yaml_file
 
 
 class HardwareError(ValueError):
@@ -119,11 +119,5 @@ def hardware_from_dict(data: Any, name: str = "hardware") -> HardwareProfile:
 
 def load_hardware(path: str | Path) -> HardwareProfile:
     """Read a hardware profile YAML file; errors name the file and the field."""
-    path = Path(path)
-    if not path.is_file():
-        raise HardwareError(f"hardware profile {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise HardwareError(f"hardware profile {path} is not valid YAML: {exc}") from None
-    return hardware_from_dict(data, name=path.stem)
+    data = read_yaml_file(path, "hardware profile", HardwareError)
+    return hardware_from_dict(data, name=Path(path).stem)
