@@ -23,6 +23,10 @@ class SampleSource(Protocol):
         """Token ids of sample ``index``: int64, shape ``[seq_length + 1]``."""
         ...
 
+    def close(self) -> None:
+        """Stop whatever prepares samples in the background."""
+        ...
+
 
 @dataclass(frozen=True)
 class SyntheticTokens:
@@ -36,6 +40,9 @@ class SyntheticTokens:
     def sample(self, index: int) -> torch.Tensor:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=generator)
+
+    def close(self) -> None:
+        """Nothing runs in the background; sources are closed alike after training."""
 
 
 @dataclass(frozen=True)

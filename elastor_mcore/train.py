@@ -279,6 +279,5 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
         cfg.hooks.step_end(done)
     if saver:
         saver.close()
-    if hasattr(source, "close"):
-        source.close()
+    source.close()
     return metrics
