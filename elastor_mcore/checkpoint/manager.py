@@ -148,6 +148,9 @@ class CheckpointManager:
         """The blocking part: finish the previous save, agree (one collective), plan
         (cached), stage, and hand the rest to a background thread."""
         previous, self._job = self._job, None
+        if previous is not None and previous.running():
+            log.info("the save of step %d waits for the save of step %d to finish "
+                     "(when_busy='wait')", step, previous.job.step)
         previous_error = previous.join() if previous is not None else None
         coordinator = comm.is_coordinator(self.group)
         error = None
