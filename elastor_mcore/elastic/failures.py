@@ -17,10 +17,9 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Literal
 
-import yaml
+from elastor_mcore.yamlfile import read_yaml_file
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +67,7 @@ def parse_failure_plan(data: Any, where: str = "failure plan") -> tuple[Failure,
 
 
 def load_failure_plan(path: str | os.PathLike) -> tuple[Failure, ...]:
-    path = Path(path)
-    if not path.is_file():
-        raise FailurePlanError(f"failure plan {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise FailurePlanError(f"failure plan {path} is not valid YAML: {exc}") from None
-    return parse_failure_plan(data, str(path))
+    return parse_failure_plan(read_yaml_file(path, "failure plan", FailurePlanError), str(path))
 
 
 def validate(failures: Iterable[Failure], slots: Iterable[int], steps: int,
