@@ -282,8 +282,8 @@ class Supervisor:
                     f"({cfg.hang.timeout_s:.0f}s once stepping, "
                     f"{cfg.hang.startup_timeout_s:.0f}s before): a hung rank or collective")
         elif record.died_slots:
-            what = (f"the ranks of slots {record.died_slots} died (their output is in "
-                    f"{record.dir}/torchrun.log)")
+            what = (f"the rank processes of slots {record.died_slots} are gone (once one "
+                    f"fails, torchrun stops the others; output in {record.dir}/torchrun.log)")
         else:
             what = (f"torchrun exited with code {code} (a rank failed; its output is in "
                     f"{record.dir}/torchrun.log)")
