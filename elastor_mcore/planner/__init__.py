@@ -139,6 +139,13 @@ def plan(recipe: Recipe, hardware: HardwareProfile, alive_gpus: Iterable[int],
                 alive_gpus=alive)
 
 
+def _size(nbytes: float) -> str:
+    """Bytes for a message: GiB, or MiB below one GiB (small models, CPU slots)."""
+    if abs(nbytes) >= GIB:
+        return f"{nbytes / GIB:.1f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
+
+
 def _infeasible_message(cost: CostModel, recipe: Recipe, alive: int,
                         sizes: tuple[int, ...]) -> str:
     """Say how much memory is missing: model states plus one micro-batch of activations."""
@@ -149,14 +156,14 @@ def _infeasible_message(cost: CostModel, recipe: Recipe, alive: int,
     available = alive * cost.capacity_bytes
     if needed > available:
         return (f"{recipe.name} does not fit on {alive} alive GPUs: it needs at least "
-                f"{needed / GIB:.1f} GiB (weights, gradients, optimizer state and one "
-                f"micro-batch of activations) but they offer {available / GIB:.1f} GiB "
-                f"after the reserved memory; {(needed - available) / GIB:.1f} GiB are "
+                f"{_size(needed)} (weights, gradients, optimizer state and one "
+                f"micro-batch of activations) but they offer {_size(available)} "
+                f"after the reserved memory; {_size(needed - available)} are "
                 f"missing. Add GPUs, use GPUs with more memory, or a smaller model.")
-    return (f"{recipe.name} has no layout on {alive} alive GPUs: their {available / GIB:.1f} "
-            f"GiB cover the {needed / GIB:.1f} GiB of model states and activations in total, "
+    return (f"{recipe.name} has no layout on {alive} alive GPUs: their {_size(available)} "
+            f"cover the {_size(needed)} of model states and activations in total, "
             f"but no pipeline of at most {recipe.model.num_layers} stages with TP sizes "
             f"{list(sizes)} within a node fits each stage into "
-            f"{cost.capacity_bytes / GIB:.3g} GiB with 1F1B's in-flight activations and "
+            f"{_size(cost.capacity_bytes)} with 1F1B's in-flight activations and "
             f"at least as many micro-batches ({cost.total_micro_batches}) as stages. Add "
             f"GPUs per node or use GPUs with more memory.")
