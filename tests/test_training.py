@@ -34,7 +34,7 @@ RESHARD_PAIRS = [  # (saved by, loaded under): uniform <-> hetero, hetero <-> he
     ("dp1-tp4-pp1", "three-pipelines-uneven"),
     ("tp2-to-tp1", "dp2-tp2-pp2"),
 ]
-RESUME = ("two-pipelines-different-stages", "tp4-tp2-tp1", 10)
+RESUME = ("unequal-micro-batches", "three-pipelines-uneven", 10)
 
 
 def layout_arg(name: str) -> str:
