@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 CUDA_PROBE = (
     "import torch\n"
-    "x = torch.arange(1 << 20, device='cuda', dtype=torch.float32)\n"
+    "x = torch.arange(1 << 20, device=torch.device('cuda', 0), dtype=torch.float32)\n"
     "assert float((x * 2).sum()) == float(x.sum()) * 2\n"
     "torch.cuda.synchronize()\n")
 """Allocate, compute and synchronise on the one visible device."""
