@@ -54,3 +54,23 @@ def small_tmpfs(where: Path, size: str) -> Iterator[str | None]:
         yield None
     finally:
         subprocess.run(["umount", str(where)], check=False)
+
+
+def write_world_result(out: Path, report: dict, plan) -> None:
+    """Gather every rank's ``report`` and, on rank 0, write ``out/result.json`` with the
+    reports and the save's write plan (bytes per rank; units as key, offset, shape,
+    holders, writer; global shapes). Collective over the world."""
+    import json
+
+    import torch.distributed as dist
+
+    reports = [None] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    if dist.get_rank() == 0:
+        (out / "result.json").write_text(json.dumps(dict(
+            ranks=reports,
+            bytes_by_rank={str(k): v for k, v in plan.bytes_by_rank().items()},
+            units=[[u.key, list(u.box.offset), list(u.box.shape), list(u.holders), u.writer]
+                   for u in plan.units],
+            shapes={k: list(e.shape) for k, e in plan.entries.items()})))
+    dist.barrier()

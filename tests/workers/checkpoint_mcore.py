@@ -9,11 +9,12 @@ Rank 0 writes ``result.json`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.checkpoint_checks import write_world_result
 
 CONFIG = dict(num_layers=8, hidden_size=64, num_attention_heads=8, num_query_groups=4,
               ffn_hidden_size=192)
@@ -115,17 +116,7 @@ def main() -> None:
     checked, bad = compare(local_records(sharded(model)), saved)
     report = dict(rank=rank, bytes_read=bytes_read, bytes_needed=checked, mismatches=bad,
                   params=sum(p.numel() for p in model.parameters()))
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    if rank == 0:
-        plan = result.plan
-        (out / "result.json").write_text(json.dumps(dict(
-            ranks=reports,
-            bytes_by_rank={str(k): v for k, v in plan.bytes_by_rank().items()},
-            units=[[u.key, list(u.box.offset), list(u.box.shape), u.writer]
-                   for u in plan.units],
-            shapes={k: list(e.shape) for k, e in plan.entries.items()})))
-    dist.barrier()
+    write_world_result(out, report, result.plan)
     dist.destroy_process_group()
 
 

@@ -9,12 +9,13 @@ saves from a sub-group that excludes rank 0, and measures bytes read. Rank 0 wri
 from __future__ import annotations
 
 import argparse
-import json
 import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.checkpoint_checks import write_world_result
 
 # key -> (global shape, dtype, split dim or None for replicated)
 TENSORS = {
@@ -126,17 +127,7 @@ def main() -> None:
     report["subgroup"] = dict(mismatches=mismatches(targets),
                               writers=ck.open(out / "sub").manifest.writers)
 
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    if rank == 0:
-        plan = saved.plan
-        (out / "result.json").write_text(json.dumps(dict(
-            ranks=reports,
-            bytes_by_rank={str(k): v for k, v in plan.bytes_by_rank().items()},
-            units=[[u.key, list(u.box.offset), list(u.box.shape), list(u.holders), u.writer]
-                   for u in plan.units],
-            shapes={k: list(e.shape) for k, e in plan.entries.items()})))
-    dist.barrier()
+    write_world_result(out, report, saved.plan)
     dist.destroy_process_group()
 
 
