@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastor_mcore.launch import run_torchrun
+from elastor_mcore.elastic.torchrun import run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-llama.yaml"

@@ -19,7 +19,7 @@ from elastor_mcore.checkpoint import writer
 from elastor_mcore.checkpoint.format import choose_entry
 from elastor_mcore.checkpoint.plan import build_plan
 from elastor_mcore.cli import main as cli_main
-from elastor_mcore.sharding import Box, ShardInfo
+from elastor_mcore.geometry import Box, ShardInfo
 from tests.checkpoint_checks import (
     MAX_READ_AMPLIFICATION, amplification, assert_balanced, assert_units_tile)
 

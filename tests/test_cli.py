@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from elastor_mcore.datasets.corpus import iter_texts, resolve_corpus
-from elastor_mcore.datasets.tokenizer import train_tokenizer
+from elastor_mcore.data.corpus import iter_texts, resolve_corpus
+from elastor_mcore.data.tokenizer import train_tokenizer
 from tests.conftest import REPO, TINY
 
 

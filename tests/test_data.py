@@ -21,22 +21,22 @@ import pytest
 import torch
 
 from elastor_mcore.cli import main as cli_main
-from elastor_mcore.data import pipeline_micro_batches
-from elastor_mcore.datasets import doc_index
-from elastor_mcore.datasets.config import (DataConfig, add_data_args, data_config_from_args,
+from elastor_mcore.data.samples import pipeline_micro_batches
+from elastor_mcore.data import doc_index
+from elastor_mcore.data.config import (DataConfig, add_data_args, data_config_from_args,
                                            validate_data_config)
-from elastor_mcore.datasets.corpus import iter_texts, read_text, resolve_corpus
-from elastor_mcore.datasets.doc_index import JsonlDocuments, load_index
-from elastor_mcore.datasets.errors import DataError
-from elastor_mcore.datasets.packing import PackedSamples, PackingPlan
-from elastor_mcore.datasets.source import (build_sample_source, pipeline_sample_indices,
+from elastor_mcore.data.corpus import iter_texts, read_text, resolve_corpus
+from elastor_mcore.data.doc_index import JsonlDocuments, load_index
+from elastor_mcore.data.errors import DataError
+from elastor_mcore.data.packing import PackedSamples, PackingPlan
+from elastor_mcore.data.source import (build_sample_source, pipeline_sample_indices,
                                            prepare_data)
-from elastor_mcore.datasets.stdlib_corpus import prepare_demo_data
-from elastor_mcore.datasets.tasks import JsonlSpec, SampleTask
-from elastor_mcore.datasets.tokenizer import load_tokenizer, train_tokenizer
-from elastor_mcore.datasets.workers import WorkerPool
-from elastor_mcore.layout import layout_from_dict
-from elastor_mcore.recipe import load_recipe
+from elastor_mcore.data.stdlib_corpus import prepare_demo_data
+from elastor_mcore.data.tasks import JsonlSpec, SampleTask
+from elastor_mcore.data.tokenizer import load_tokenizer, train_tokenizer
+from elastor_mcore.data.workers import WorkerPool
+from elastor_mcore.parallel.layout import layout_from_dict
+from elastor_mcore.config.recipe import load_recipe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -78,7 +78,7 @@ def corpus(tmp_path_factory) -> DataConfig:
 
 @pytest.fixture(scope="module")
 def indexed(corpus, tmp_path_factory) -> DataConfig:
-    from elastor_mcore.datasets.indexed import build_indexed_dataset
+    from elastor_mcore.data.indexed import build_indexed_dataset
     index = load_index(prepare_data(corpus, RECIPE).index_path)
     prefix = tmp_path_factory.mktemp("indexed") / "corpus"
     build_indexed_dataset(index, load_tokenizer(corpus.tokenizer), prefix, workers=1)

@@ -44,7 +44,7 @@ def relative(got, ref) -> float:
 def reference(tmp_path_factory):
     """The same steps uninterrupted on one process, saved at the end."""
     out = tmp_path_factory.mktemp("reference")
-    run_world(1, "elastor_mcore.worker",
+    run_world(1, "elastor_mcore.runtime.worker",
               ["--recipe", str(TINY), "--layout", "dp1-tp1-pp1", "--steps", str(STEPS),
                "--metrics-out", str(out / "metrics.jsonl"), "--save", str(out / "ckpt"),
                "--save-interval", str(STEPS)])

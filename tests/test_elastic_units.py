@@ -6,14 +6,14 @@ import json
 import pytest
 
 from elastor_mcore import cli
-from elastor_mcore.elastic.events import EVENTS_FILE, append_event
-from elastor_mcore.elastic.failures import (Failure, FailurePlanError, parse_failure_plan,
+from elastor_mcore.config.failure_plan import (Failure, FailurePlanError, parse_failure_plan,
                                             validate)
-from elastor_mcore.elastic.heartbeat import HangPolicy, HeartbeatWriter, read_beats
+from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
 from elastor_mcore.elastic.probe import probe_cuda
 from elastor_mcore.elastic.supervisor import torchrun_layout
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
-from elastor_mcore.layout import layout_from_dict
+from elastor_mcore.parallel.layout import layout_from_dict
+from elastor_mcore.runtime.rank_hooks import EVENTS_FILE, HeartbeatWriter, append_event
 from tests.conftest import REPO, TINY
 
 pytestmark = pytest.mark.timeout(120)

@@ -3,9 +3,9 @@
 import pytest
 import yaml
 
-from elastor_mcore.groups import replica_ranks, stage_chains
-from elastor_mcore.layout import LayoutError, layout_from_dict, load_layout
-from elastor_mcore.recipe import load_recipe
+from elastor_mcore.parallel.groups import replica_ranks, stage_chains
+from elastor_mcore.parallel.layout import LayoutError, layout_from_dict, load_layout
+from elastor_mcore.config.recipe import load_recipe
 from tests.conftest import TINY
 
 RECIPE = load_recipe(TINY)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastor_mcore import megatron_ckpt
+from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.convert import hf_llama
-from elastor_mcore.recipe import load_recipe
+from elastor_mcore.config.recipe import load_recipe
 from tests.conftest import REPO, TINY, run_world
 
 try:  # the "hf" extra
@@ -235,7 +235,7 @@ def megatron_namespace(**overrides) -> argparse.Namespace:
 
 
 def test_add_elastor_args_and_options(tmp_path):
-    from elastor_mcore.megatron_args import add_elastor_args, options_from_args
+    from elastor_mcore.integrations.megatron_lm.args import add_elastor_args, options_from_args
 
     layout = tmp_path / "layout.yaml"
     layout.write_text("pipelines:\n  - micro_batches: 16\n    stages:\n"
@@ -255,9 +255,9 @@ def test_add_elastor_args_and_options(tmp_path):
 
 
 def test_adapt_args_rewrites_the_rank_to_its_stage():
-    from elastor_mcore.groups import RankGroups
-    from elastor_mcore.layout import RankPosition, layout_from_dict
-    from elastor_mcore.megatron_args import adapt_args, megatron_can_train
+    from elastor_mcore.parallel.groups import RankGroups
+    from elastor_mcore.parallel.layout import RankPosition, layout_from_dict
+    from elastor_mcore.integrations.megatron_lm.args import adapt_args, megatron_can_train
 
     layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
         {"tp": 2, "layers": 5}, {"tp": 1, "layers": 3}]}]})
@@ -278,21 +278,21 @@ def test_hooks_route_by_marker_and_restore(tmp_path):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
 
-    from elastor_mcore import megatron_hooks
+    from elastor_mcore.integrations.megatron_lm import hooks
 
     original = dist_checkpointing.load_common_state_dict
     zarr_dir = tmp_path / "iter_0000001"
     zarr_dir.mkdir()
-    torch.save({"iteration": 1}, zarr_dir / megatron_ckpt.COMMON_FILE)
-    megatron_ckpt.write_config(zarr_dir)
-    megatron_hooks.install(megatron_hooks.ElastorOptions(ckpt_format="zarr"))
+    torch.save({"iteration": 1}, zarr_dir / megatron_dir.COMMON_FILE)
+    megatron_dir.write_config(zarr_dir)
+    hooks.install(hooks.ElastorOptions(ckpt_format="zarr"))
     try:
         assert dist_checkpointing.load_common_state_dict(str(zarr_dir)) == {"iteration": 1}
         assert isinstance(serialization.get_default_load_sharded_strategy(str(zarr_dir)),
-                          megatron_hooks.ZarrLoadStrategy)
+                          hooks.ZarrLoadStrategy)
         assert dist_checkpointing.check_is_distributed_checkpoint(str(zarr_dir))
     finally:
-        megatron_hooks.uninstall()
+        hooks.uninstall()
     assert dist_checkpointing.load_common_state_dict is original
 
 
@@ -300,10 +300,10 @@ def test_prune_keeps_the_newest_zarr_checkpoints(tmp_path):
     for it in (1, 2, 3, 4):
         d = tmp_path / f"iter_{it:07d}"
         d.mkdir()
-        megatron_ckpt.write_config(d)
+        megatron_dir.write_config(d)
     other = tmp_path / "iter_0000000"  # not an elastor checkpoint: left alone
     other.mkdir()
-    megatron_ckpt.prune(tmp_path, 2, tmp_path / "iter_0000004")
+    megatron_dir.prune(tmp_path, 2, tmp_path / "iter_0000004")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "iter_0000000", "iter_0000003", "iter_0000004"]
 
@@ -313,7 +313,7 @@ def test_prune_keeps_the_newest_zarr_checkpoints(tmp_path):
 
 @pytest.mark.parametrize("name", ["llama2-7b", "llama2-13b", "llama3-8b", "llama3-70b"])
 def test_recipe_builds_transformer_config(name):
-    from elastor_mcore.model import transformer_config
+    from elastor_mcore.runtime.model import transformer_config
 
     path = REPO / "recipes" / f"{name}.yaml"
     if not path.is_file():
@@ -374,8 +374,8 @@ def test_apply_script_dry_runs_applies_the_fitting_patch_once(patch, tmp_path):
 
 def test_hooks_patch_the_names_megatron_training_imported(monkeypatch):
     """megatron.training is not in the 0.16 wheel: stand in for its checkpointing module."""
-    from elastor_mcore import megatron_hooks
-    from elastor_mcore.layout import layout_from_dict
+    from elastor_mcore.integrations.megatron_lm import hooks
+    from elastor_mcore.parallel.layout import layout_from_dict
 
     training = types.ModuleType("megatron.training")
     checkpointing = types.ModuleType("megatron.training.checkpointing")
@@ -387,14 +387,14 @@ def test_hooks_patch_the_names_megatron_training_imported(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
     layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
         {"tp": 2, "layers": 8}]}]})
-    megatron_hooks.install(megatron_hooks.ElastorOptions(layout=layout, ckpt_format="zarr"))
+    hooks.install(hooks.ElastorOptions(layout=layout, ckpt_format="zarr"))
     try:
         assert checkpointing._build_sharded_state_dict_metadata(None) == {
             "singleton_local_shards": True}
         assert checkpointing.get_default_load_sharded_strategy("/nonexistent") == \
             "torch_dist strategy"
     finally:
-        megatron_hooks.uninstall()
+        hooks.uninstall()
     assert checkpointing.get_default_load_sharded_strategy("/x") == "torch_dist strategy"
     assert checkpointing._build_sharded_state_dict_metadata(None) == {
         "singleton_local_shards": False}

@@ -10,13 +10,13 @@ import pytest
 import yaml
 
 from elastor_mcore import cli
-from elastor_mcore.commands import plan as plan_command
-from elastor_mcore.layout import load_layout
+from elastor_mcore.cli import plan as plan_command
+from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.planner import (CostModel, HardwareError, PlannerError, hardware_from_dict,
                                    layout_cost, load_hardware, plan)
 from elastor_mcore.planner.baselines import best_uniform
 from elastor_mcore.planner.cost_model import GIB
-from elastor_mcore.recipe import load_recipe
+from elastor_mcore.config.recipe import load_recipe
 from tests.test_planner_optimality import THIRDS, TIGHT  # six heads: TP 1, 2, 3 or 6
 
 HW_DIR = Path("recipes/hardware")
@@ -188,7 +188,7 @@ def cli_main(argv: list[str]) -> int:
 
 
 def test_plan_is_an_elastor_subcommand():
-    assert "elastor_mcore.commands.plan" in cli.SUBCOMMAND_MODULES
+    assert "elastor_mcore.cli.plan" in cli.SUBCOMMAND_MODULES
 
 
 def test_cli_prints_a_diagram_and_writes_the_layout(tmp_path, capsys):

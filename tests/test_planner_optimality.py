@@ -20,7 +20,7 @@ import pytest
 
 from elastor_mcore.planner import CostModel, hardware_from_dict, plan
 from elastor_mcore.planner.cost_model import GIB
-from elastor_mcore.recipe import load_recipe, recipe_from_dict
+from elastor_mcore.config.recipe import load_recipe, recipe_from_dict
 
 TINY = load_recipe("recipes/tiny-llama.yaml")
 WIDER = recipe_from_dict({

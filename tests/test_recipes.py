@@ -6,8 +6,8 @@ import shlex
 
 import pytest
 
-from elastor_mcore.layout import load_layout
-from elastor_mcore.recipe import load_recipe
+from elastor_mcore.parallel.layout import load_layout
+from elastor_mcore.config.recipe import load_recipe
 
 PUBLISHED = {  # parameters, from each recipe's cited source
     "llama2-7b": 6.74e9,

@@ -132,8 +132,8 @@ def build(recipe, layout, cache):
     idle ranks); random, so that no page is a shared zero page."""
     import torch
 
-    from elastor_mcore.checkpointing import ensure_optimizer_state
-    from elastor_mcore.train import setup_stage
+    from elastor_mcore.runtime.state import ensure_optimizer_state
+    from elastor_mcore.runtime.train import setup_stage
 
     runner = setup_stage(recipe, layout, recipe.training.seed, cache)
     if runner is None:
@@ -149,8 +149,8 @@ def build(recipe, layout, cache):
 def mcore_state_dict(runner) -> dict:
     """The same tensors as ``state_shards``, as mcore ShardedTensors (weights from the
     model's ``sharded_state_dict()``, moments as their views with the same geometry)."""
-    from elastor_mcore.checkpointing import ADAM_MOMENTS
-    from elastor_mcore.sharding import owning_parameter, sharded_tensors, view_like
+    from elastor_mcore.runtime.state import ADAM_MOMENTS
+    from elastor_mcore.parallel.shards import owning_parameter, sharded_tensors, view_like
 
     out = {}
     for st in sharded_tensors(runner.model):
@@ -171,11 +171,11 @@ def run_ranks(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from elastor_mcore import checkpoint as ck
-    from elastor_mcore.checkpointing import chunk_policy, state_shards
+    from elastor_mcore.runtime.state import chunk_policy, state_shards
     from elastor_mcore.compat import cpu
-    from elastor_mcore.groups import GroupCache
-    from elastor_mcore.layout import layout_from_dict, uniform_layout
-    from elastor_mcore.recipe import recipe_from_dict
+    from elastor_mcore.parallel.groups import GroupCache
+    from elastor_mcore.parallel.layout import layout_from_dict, uniform_layout
+    from elastor_mcore.config.recipe import recipe_from_dict
 
     cpu.apply_if_needed()
     dist.init_process_group("gloo")
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks:
         run_ranks(args)
         return 0
-    from elastor_mcore.launch import run_torchrun
+    from elastor_mcore.elastic.torchrun import run_torchrun
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     out = os.path.abspath(args.out)

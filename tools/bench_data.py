@@ -28,17 +28,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastor_mcore.datasets.config import DataConfig  # noqa: E402
-from elastor_mcore.datasets.corpus import iter_texts, resolve_corpus  # noqa: E402
-from elastor_mcore.datasets.doc_index import CACHE_DIR_NAME, load_index  # noqa: E402
-from elastor_mcore.datasets.packing import PackingPlan  # noqa: E402
-from elastor_mcore.datasets.source import (  # noqa: E402
+from elastor_mcore.data.config import DataConfig  # noqa: E402
+from elastor_mcore.data.corpus import iter_texts, resolve_corpus  # noqa: E402
+from elastor_mcore.data.doc_index import CACHE_DIR_NAME, load_index  # noqa: E402
+from elastor_mcore.data.packing import PackingPlan  # noqa: E402
+from elastor_mcore.data.source import (  # noqa: E402
     build_sample_source, pipeline_sample_indices, prepare_data)
-from elastor_mcore.datasets.stdlib_corpus import write_stdlib_corpus  # noqa: E402
-from elastor_mcore.datasets.tasks import JsonlSpec, open_jsonl_samples  # noqa: E402
-from elastor_mcore.datasets.tokenizer import TOKENIZER_FILE, train_tokenizer  # noqa: E402
-from elastor_mcore.layout import layout_from_dict  # noqa: E402
-from elastor_mcore.recipe import load_recipe  # noqa: E402
+from elastor_mcore.data.stdlib_corpus import write_stdlib_corpus  # noqa: E402
+from elastor_mcore.data.tasks import JsonlSpec, open_jsonl_samples  # noqa: E402
+from elastor_mcore.data.tokenizer import TOKENIZER_FILE, train_tokenizer  # noqa: E402
+from elastor_mcore.parallel.layout import layout_from_dict  # noqa: E402
+from elastor_mcore.config.recipe import load_recipe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

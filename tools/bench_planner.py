@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from elastor_mcore.planner import load_hardware, plan  # noqa: E402
 from elastor_mcore.planner.baselines import best_uniform  # noqa: E402
-from elastor_mcore.recipe import load_recipe  # noqa: E402
+from elastor_mcore.config.recipe import load_recipe  # noqa: E402
 
 SPEED_DEAD = [0, 9, 100, 513, 1023]
 VALUE_DEAD_ORDER = [0, 9, 18, 27, 1, 10, 19, 28]  # round-robin over the 4 nodes

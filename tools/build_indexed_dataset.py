@@ -19,11 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastor_mcore.datasets.corpus import report_malformed, resolve_corpus  # noqa: E402
-from elastor_mcore.datasets.doc_index import default_cache_dir, load_or_build_index  # noqa: E402
-from elastor_mcore.datasets.errors import DataError  # noqa: E402
-from elastor_mcore.datasets.indexed import build_indexed_dataset  # noqa: E402
-from elastor_mcore.datasets.tokenizer import load_tokenizer  # noqa: E402
+from elastor_mcore.data.corpus import report_malformed, resolve_corpus  # noqa: E402
+from elastor_mcore.data.doc_index import default_cache_dir, load_or_build_index  # noqa: E402
+from elastor_mcore.data.errors import DataError  # noqa: E402
+from elastor_mcore.data.indexed import build_indexed_dataset  # noqa: E402
+from elastor_mcore.data.tokenizer import load_tokenizer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastor_mcore.datasets.stdlib_corpus import CorpusStats, write_stdlib_corpus  # noqa: E402
+from elastor_mcore.data.stdlib_corpus import CorpusStats, write_stdlib_corpus  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

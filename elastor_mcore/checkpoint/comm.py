@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from elastor_mcore.checkpoint.format import CheckpointError
-from elastor_mcore.sharding import ShardInfo, gather_shard_infos
+from elastor_mcore.geometry import ShardInfo
+from elastor_mcore.parallel.shards import gather_shard_infos
 
 
 def _dist():
@@ -60,7 +61,7 @@ def check(messages: list[str | None], what: str, cause: BaseException | None = N
 
 
 def gather_infos(local: list[ShardInfo], group=None) -> dict[int, list[ShardInfo]]:
-    """Every rank's shard descriptions keyed by global rank (see ``sharding``)."""
+    """Every rank's shard descriptions keyed by global rank (see ``parallel.shards``)."""
     if _dist() is None:
         return {0: list(local)}
     return gather_shard_infos(local, group)

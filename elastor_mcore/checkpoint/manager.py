@@ -27,7 +27,7 @@ from elastor_mcore.checkpoint.format import (
     CheckpointError, ChunkPolicy, latest_step, step_dir_name, tmp_name)
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
 from elastor_mcore.checkpoint.staging import HostStaging
-from elastor_mcore.sharding import ShardInfo
+from elastor_mcore.geometry import ShardInfo
 from elastor_mcore.checkpoint.writer import check_step, point_latest, unit_sources, validate
 
 log = logging.getLogger(__name__)

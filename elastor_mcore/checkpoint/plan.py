@@ -17,7 +17,7 @@ import torch
 
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, ChunkPolicy, TensorEntry, choose_entry, validate_key)
-from elastor_mcore.sharding import Box, ShardInfo, common_refinement
+from elastor_mcore.geometry import Box, ShardInfo, common_refinement
 
 
 @dataclass

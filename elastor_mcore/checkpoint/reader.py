@@ -21,7 +21,7 @@ from elastor_mcore.checkpoint.format import (
     CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
 from elastor_mcore.checkpoint.plan import LocalShard
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
-from elastor_mcore.sharding import Box
+from elastor_mcore.geometry import Box
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from elastor_mcore.checkpoint.format import (
     TensorEntry, committed_steps, step_dir_name, tmp_name)
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, WriteUnit, build_plan
 from elastor_mcore.checkpoint.store import IO_CONCURRENCY, numpy_view, open_arrays, wait_all
-from elastor_mcore.sharding import local_view
+from elastor_mcore.geometry import local_view
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import torch
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy
 from elastor_mcore.checkpoint import open as open_checkpoint
 from elastor_mcore.convert.zarr_io import Progress, StreamingZarrWriter
-from elastor_mcore.recipe import ModelConfig, Recipe
+from elastor_mcore.config.recipe import ModelConfig, Recipe
 
 log = logging.getLogger(__name__)
 

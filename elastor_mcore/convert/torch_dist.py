@@ -9,7 +9,7 @@ them. Per-layer torch_dist checkpoints (``singleton_local_shards``) map one to o
 Which form the source had is recorded in the manifest, so the way back restores it.
 
 Megatron-LM's plain state (``common.pt``) and ShardedObjects travel as the Megatron
-zarr format stores them (``megatron_ckpt``), so a converted checkpoint also resumes
+zarr format stores them (``checkpoint.megatron_dir``), so a converted checkpoint also resumes
 a Megatron-LM run started with ``--elastor-ckpt-format zarr``.
 """
 
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from elastor_mcore import megatron_ckpt
+from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy
 from elastor_mcore.checkpoint import open as open_checkpoint
 from elastor_mcore.convert.zarr_io import Progress, StreamingZarrWriter
@@ -77,7 +77,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def is_torch_dist(path: str | os.PathLike) -> bool:
-    return megatron_ckpt.backend_of(path) == "torch_dist"
+    return megatron_dir.backend_of(path) == "torch_dist"
 
 
 def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
@@ -117,16 +117,16 @@ def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
         if progress:
             progress(done, len(sources), key)
     writer.commit()
-    if (src / megatron_ckpt.COMMON_FILE).is_file():
-        shutil.copyfile(src / megatron_ckpt.COMMON_FILE, dst / megatron_ckpt.COMMON_FILE)
+    if (src / megatron_dir.COMMON_FILE).is_file():
+        shutil.copyfile(src / megatron_dir.COMMON_FILE, dst / megatron_dir.COMMON_FILE)
     else:
-        torch.save({}, dst / megatron_ckpt.COMMON_FILE)
+        torch.save({}, dst / megatron_dir.COMMON_FILE)
     for key, data in _read_items(reader, {k: io.BytesIO() for k in objects}).items():
-        # mcore stores a ShardedObject as torch.save([data]); megatron_ckpt as data.
-        file = dst / megatron_ckpt.OBJECTS_DIR / f"{key}.pt"
+        # mcore stores a ShardedObject as torch.save([data]); megatron_dir as data.
+        file = dst / megatron_dir.OBJECTS_DIR / f"{key}.pt"
         file.parent.mkdir(parents=True, exist_ok=True)
         torch.save(torch.load(io.BytesIO(data), weights_only=False)[0], file)
-    megatron_ckpt.write_config(dst)
+    megatron_dir.write_config(dst)
     log.info("converted %s: %d tensors (%d stacked), %d objects -> %s", src, len(sources),
              len(stacked), len(objects), dst)
     return dst
@@ -170,12 +170,12 @@ def zarr_to_torch_dist(src: str | os.PathLike, dst: str | os.PathLike, *,
     dcp_save(state, storage_writer=FileSystemWriter(os.fspath(dst), single_file_per_rank=True,
                                                 thread_count=1),
          planner=_StreamingSavePlanner(assemble, len(outputs), progress), no_dist=True)
-    common_file = Path(reader.path) / megatron_ckpt.COMMON_FILE
+    common_file = Path(reader.path) / megatron_dir.COMMON_FILE
     if common_file.is_file():
-        shutil.copyfile(common_file, dst / megatron_ckpt.COMMON_FILE)
+        shutil.copyfile(common_file, dst / megatron_dir.COMMON_FILE)
     else:
-        torch.save({"iteration": reader.manifest.step}, dst / megatron_ckpt.COMMON_FILE)
-    (dst / megatron_ckpt.CONFIG_FILE).write_text(json.dumps(
+        torch.save({"iteration": reader.manifest.step}, dst / megatron_dir.COMMON_FILE)
+    (dst / megatron_dir.CONFIG_FILE).write_text(json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
          "common_backend": "torch", "common_backend_version": 1}))
     log.info("converted %s -> %s: %d tensors (%s layer keys), %d objects", reader.path, dst,
@@ -218,7 +218,7 @@ def _stack_plan(reader) -> dict[str, tuple[tuple[int, ...], str, list[tuple[str,
 
 
 def _object_files(step_dir: Path) -> dict[str, Path]:
-    root = step_dir / megatron_ckpt.OBJECTS_DIR
+    root = step_dir / megatron_dir.OBJECTS_DIR
     return {os.fspath(f.relative_to(root))[:-len(".pt")]: f
             for f in sorted(root.rglob("*.pt"))} if root.is_dir() else {}
 
@@ -230,7 +230,7 @@ def _mcore_object_bytes(file: Path) -> bytes:
 
 
 def _iteration(src: Path) -> int:
-    file = src / megatron_ckpt.COMMON_FILE
+    file = src / megatron_dir.COMMON_FILE
     if file.is_file():
         iteration = torch.load(file, weights_only=False).get("iteration", 0)
         if isinstance(iteration, int) and iteration >= 0:

@@ -10,22 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 from typing import Any
 
-EVENTS_FILE = "events.jsonl"
-"""The event log's name inside a launch directory."""
+from elastor_mcore.runtime.rank_hooks import EVENTS_FILE
 
-
-def append_event(path: str | os.PathLike, event: str, **fields: Any) -> None:
-    record = {"event": event, "time": time.time(), **fields}
-    line = (json.dumps(record) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
 
 
 def read_events(path: str | os.PathLike, event: str | None = None) -> list[dict[str, Any]]:

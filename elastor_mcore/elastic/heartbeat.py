@@ -12,42 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HEARTBEAT_DIR = "heartbeat"
-"""The heartbeat files' folder inside a launch directory."""
-
-
-@dataclass(frozen=True)
-class Beat:
-    slot: int
-    rank: int
-    pid: int
-    """The rank's process; also its process group (torchrun starts each worker in a
-    new session), so the supervisor can stop the rank's children too."""
-    step: int
-    """Steps done (1-based number of the last finished step; the resumed step at setup)."""
-    stepping: bool
-    """Whether the rank has finished a step since it started (short timeout applies)."""
-    time: float
-    """Wall-clock time of the beat (``time.time()``)."""
-
-
-class HeartbeatWriter:
-    """The rank side: one file, replaced atomically at each beat."""
-
-    def __init__(self, directory: str | os.PathLike, slot: int, rank: int) -> None:
-        self.path = Path(directory) / f"slot{slot}"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.slot, self.rank = slot, rank
-
-    def beat(self, step: int, stepping: bool) -> None:
-        beat = Beat(self.slot, self.rank, os.getpid(), step, stepping, time.time())
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(beat.__dict__))
-        os.replace(tmp, self.path)
+from elastor_mcore.runtime.rank_hooks import Beat
 
 
 def read_beats(directory: str | os.PathLike) -> dict[int, Beat]:

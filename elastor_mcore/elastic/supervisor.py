@@ -33,19 +33,19 @@ import psutil
 
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
-from elastor_mcore.datasets.config import DataConfig
+from elastor_mcore.data.config import DataConfig
 from elastor_mcore.elastic import probe
-from elastor_mcore.elastic.failures import Failure, validate
-from elastor_mcore.elastic.heartbeat import HEARTBEAT_DIR, HangPolicy, read_beats
-from elastor_mcore.elastic.rank_hooks import worker_args
+from elastor_mcore.config.failure_plan import Failure, validate
+from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
+from elastor_mcore.runtime.rank_hooks import HEARTBEAT_DIR, worker_args
 from elastor_mcore.elastic.timeline import LaunchRecord, write_json
-from elastor_mcore.launch import torchrun_command, worker_env
-from elastor_mcore.layout import Layout, layout_from_dict
-from elastor_mcore.recipe import Recipe
+from elastor_mcore.elastic.torchrun import torchrun_command, worker_env
+from elastor_mcore.parallel.layout import Layout, layout_from_dict
+from elastor_mcore.config.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
-WORKER_MODULE = "elastor_mcore.worker"
+WORKER_MODULE = "elastor_mcore.runtime.worker"
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class SupervisorConfig:
     devices: Literal["cpu", "cuda"] = "cpu"
     probe_timeout_s: float = 60.0
     data: DataConfig = field(default_factory=DataConfig)
-    """What to train on; prepare it once beforehand (``datasets.source.prepare_data``)."""
+    """What to train on; prepare it once beforehand (``data.source.prepare_data``)."""
     poll_s: float = 0.2
 
     def __post_init__(self) -> None:

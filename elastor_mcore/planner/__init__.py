@@ -1,7 +1,7 @@
 """Layout planner: the fastest layout for the GPUs that are alive.
 
 ``plan(recipe, hardware, alive_gpus)`` searches (``search``) under the analytic cost
-model (``cost_model``) and returns a :class:`Plan`: a :class:`~elastor_mcore.layout.Layout`
+model (``cost_model``) and returns a :class:`Plan`: a :class:`~elastor_mcore.parallel.layout.Layout`
 whose ranks are physical GPU ids (``node * gpus_per_node + local id``), validated
 against the recipe, with its predicted step time, per-stage costs and memory per GPU.
 Pure and deterministic: no torch, no process groups, so the elastic supervisor can call
@@ -15,12 +15,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from elastor_mcore.layout import Layout, layout_from_dict
+from elastor_mcore.parallel.layout import Layout, layout_from_dict
 from elastor_mcore.planner.cost_model import GIB, CostModel, StepCost
 from elastor_mcore.planner.hardware import (HardwareError, HardwareProfile, hardware_from_dict,
                                             load_hardware)
 from elastor_mcore.planner.search import Candidate, search
-from elastor_mcore.recipe import Recipe
+from elastor_mcore.config.recipe import Recipe
 
 __all__ = ["Plan", "PlannerError", "HardwareError", "HardwareProfile", "CostModel",
            "plan", "load_hardware", "hardware_from_dict", "layout_cost"]

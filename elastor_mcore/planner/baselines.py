@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from elastor_mcore.layout import layout_from_dict
+from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.planner import Plan, PlannerError, layout_cost
 from elastor_mcore.planner.cost_model import CostModel
 from elastor_mcore.planner.hardware import HardwareProfile
-from elastor_mcore.recipe import Recipe
+from elastor_mcore.config.recipe import Recipe
 
 
 def _divisors(n: int) -> list[int]:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from elastor_mcore.planner.hardware import HardwareProfile
-from elastor_mcore.recipe import Recipe
+from elastor_mcore.config.recipe import Recipe
 
 GIB = 1024**3
 GRAD_BYTES = 4          # Megatron accumulates gradients in fp32 (main_grad)

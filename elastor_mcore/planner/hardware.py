@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from elastor_mcore.yamlfile import read_yaml_file
+from elastor_mcore.config.yaml_file import read_yaml_file
 
 
 class HardwareError(ValueError):

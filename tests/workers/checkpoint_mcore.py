@@ -63,7 +63,7 @@ def local_records(state: dict) -> list[tuple[str, tuple, torch.Tensor]]:
 
 def compare(records, saved) -> tuple[int, list[str]]:
     """Bytes checked and mismatches of this rank's loaded shards vs every saved piece."""
-    from elastor_mcore.sharding import Box, local_view
+    from elastor_mcore.geometry import Box, local_view
 
     checked, bad = 0, []
     for key, offset, data in records:

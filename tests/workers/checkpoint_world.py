@@ -82,7 +82,7 @@ def load_boxes(rank: int, how: str) -> list:
 
 def mismatches(targets) -> list[str]:
     """Targets whose bits differ from the global truth."""
-    from elastor_mcore.sharding import Box, local_view
+    from elastor_mcore.geometry import Box, local_view
 
     bad = []
     for t in targets:

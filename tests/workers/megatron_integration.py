@@ -33,8 +33,8 @@ SEED_HOOKS, SEED_MCORE = 11, 22
 
 def mismatches(model, recipe, seed: int) -> list[str]:
     """Local shards that differ from the seeded global tensors."""
-    from elastor_mcore.model import initial_value
-    from elastor_mcore.sharding import sharded_tensors
+    from elastor_mcore.runtime.model import initial_value
+    from elastor_mcore.parallel.shards import sharded_tensors
 
     bad = []
     for st in sharded_tensors(model):
@@ -56,16 +56,16 @@ def hooked_stage(recipe, layout_dict, options_kwargs):
     ``initialize_model_parallel``."""
     from megatron.core import parallel_state
 
-    from elastor_mcore import megatron_hooks
-    from elastor_mcore.layout import layout_from_dict
-    from elastor_mcore.model import build_stage_model
+    from elastor_mcore.integrations.megatron_lm import hooks
+    from elastor_mcore.parallel.layout import layout_from_dict
+    from elastor_mcore.runtime.model import build_stage_model
 
     layout = layout_from_dict(layout_dict)
     layout.validate(recipe)
-    megatron_hooks.install(megatron_hooks.ElastorOptions(layout=layout, **options_kwargs))
+    hooks.install(hooks.ElastorOptions(layout=layout, **options_kwargs))
     parallel_state.initialize_model_parallel()
-    groups = megatron_hooks.rank_groups()
-    return groups, build_stage_model(recipe, groups, megatron_hooks.pg_collection())
+    groups = hooks.rank_groups()
+    return groups, build_stage_model(recipe, groups, hooks.pg_collection())
 
 
 def mcore_stage(recipe):
@@ -73,10 +73,10 @@ def mcore_stage(recipe):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from elastor_mcore import megatron_hooks
-    from elastor_mcore.model import layer_spec, transformer_config
+    from elastor_mcore.integrations.megatron_lm import hooks
+    from elastor_mcore.runtime.model import layer_spec, transformer_config
 
-    megatron_hooks.install(megatron_hooks.ElastorOptions())
+    hooks.install(hooks.ElastorOptions())
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2,
                                  pipeline_model_parallel_size=2)
@@ -95,9 +95,9 @@ def check_hooks(recipe, out: Path, save_settings) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from elastor_mcore import megatron_ckpt
-    from elastor_mcore.model import initialize_weights
-    from elastor_mcore.sharding import SHARDED_METADATA
+    from elastor_mcore.checkpoint import megatron_dir
+    from elastor_mcore.runtime.model import initialize_weights
+    from elastor_mcore.parallel.shards import SHARDED_METADATA
 
     rank = dist.get_rank()
     ckpt = out / "hooks" / "iter_0000007"
@@ -116,7 +116,7 @@ def check_hooks(recipe, out: Path, save_settings) -> dict:
 
     dist_checkpointing.save(state(7), str(ckpt), None, async_sharded_save=False,
                             content_metadata={"elastor_test": True})
-    saved_ok = megatron_ckpt.is_zarr_checkpoint(ckpt) and (ckpt / "manifest.json").is_file()
+    saved_ok = megatron_dir.is_zarr_checkpoint(ckpt) and (ckpt / "manifest.json").is_file()
     # --async-save: Megatron-LM's queue runs the request; training changes the weights
     # while the save is in flight, and the checkpoint must hold the values at the call.
     async_ckpt = out / "hooks" / "iter_0000008"
@@ -154,8 +154,8 @@ def check_mcore_conversion(recipe, out: Path, chunking) -> dict:
     from megatron.core import dist_checkpointing
 
     from elastor_mcore.convert.torch_dist import torch_dist_to_zarr, zarr_to_torch_dist
-    from elastor_mcore.model import initialize_weights
-    from elastor_mcore.sharding import SHARDED_METADATA
+    from elastor_mcore.runtime.model import initialize_weights
+    from elastor_mcore.parallel.shards import SHARDED_METADATA
 
     rank = dist.get_rank()
     torch_dir, zarr_dir, back_dir = out / "torch_dist", out / "from_torch_dist", out / "back"
@@ -189,8 +189,8 @@ def check_mcore_conversion(recipe, out: Path, chunking) -> dict:
 def hf_logits(recipe, hf_zarr: Path, tokens: torch.Tensor, out: Path) -> None:
     """Forward ``tokens`` through layout A's stages with the converted HF weights."""
     from elastor_mcore.checkpoint import load_sharded_state_dict
-    from elastor_mcore.p2p import StageCommunicator, stage_links
-    from elastor_mcore.sharding import SHARDED_METADATA
+    from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
+    from elastor_mcore.parallel.shards import SHARDED_METADATA
 
     groups, model = hooked_stage(recipe, LAYOUT_A, {})
     poison(model)
@@ -229,8 +229,8 @@ def main() -> None:
     cpu.apply_if_needed()
     dist.init_process_group("gloo")
     from elastor_mcore.checkpoint import ChunkPolicy
-    from elastor_mcore.megatron_ckpt import ZarrSaveSettings
-    from elastor_mcore.recipe import load_recipe
+    from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
+    from elastor_mcore.config.recipe import load_recipe
 
     recipe = load_recipe(args.recipe)
     chunking = ChunkPolicy(split_sizes=tuple(recipe.model.valid_tp_sizes))

@@ -22,14 +22,15 @@ import torch
 import torch.distributed as dist
 
 from elastor_mcore import checkpoint
-from elastor_mcore.checkpointing import chunk_policy, manifest_fields, state_shards
+from elastor_mcore.runtime.state import chunk_policy, manifest_fields, state_shards
 from elastor_mcore.compat import cpu
-from elastor_mcore.data import SyntheticTokens
-from elastor_mcore.groups import GroupCache
-from elastor_mcore.layout import load_layout
-from elastor_mcore.recipe import load_recipe
-from elastor_mcore.sharding import Box, sharded_tensors
-from elastor_mcore.train import resume, setup_stage, train_steps
+from elastor_mcore.data.samples import SyntheticTokens
+from elastor_mcore.parallel.groups import GroupCache
+from elastor_mcore.parallel.layout import load_layout
+from elastor_mcore.config.recipe import load_recipe
+from elastor_mcore.geometry import Box
+from elastor_mcore.parallel.shards import sharded_tensors
+from elastor_mcore.runtime.train import resume, setup_stage, train_steps
 
 
 def parse_case(spec: str) -> dict:

@@ -1,0 +1,217 @@
+"""``elastor demo``: the main job. Train tiny-llama on 8 CPU slots (2 nodes x 4) under
+the elastic supervisor, kill one slot and hang another, recover on 7 then 6 slots, and
+compare every step's loss with an uninterrupted run (see ``docs/elastic.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import yaml
+
+from elastor_mcore.cli.launch import StepPrinter, print_summary
+from elastor_mcore.cli.plan import diagram
+from elastor_mcore.data.config import DataConfig
+from elastor_mcore.data.errors import DataError
+from elastor_mcore.data.source import prepare_data
+from elastor_mcore.data.stdlib_corpus import prepare_demo_data
+from elastor_mcore.config.failure_plan import Failure, FailurePlanError
+from elastor_mcore.elastic.heartbeat import HangPolicy
+from elastor_mcore.elastic.report import read_metrics, write_report
+from elastor_mcore.elastic.supervisor import Supervisor, SupervisorConfig
+from elastor_mcore.elastic.timeline import recoveries
+from elastor_mcore.elastic.torchrun import run_torchrun
+from elastor_mcore.planner import HardwareError, load_hardware, plan
+from elastor_mcore.config.recipe import RecipeError, load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+PREFIX = "elastor demo"
+TOLERANCE = 1e-5
+REFERENCE_LAYOUT = "dp2-tp1-pp1"
+"""Losses do not depend on the layout; two plain data-parallel ranks use both cores of a
+small machine (each rank runs one BLAS thread) and halve the reference's time."""
+CORPUS_MB = 4.0
+"""Plenty for 40 steps of 16 x 32 tokens, and quick to tokenise on a small machine."""
+OUTPUTS = ("checkpoints", "reference", "report.md", "loss.png", "timeline.json",
+           "failure-plan.yaml")
+"""What the demo writes into --out (and removes there before it starts); the corpus
+and tokenizer in ``--out/data`` are kept and reused."""
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "demo", help="the main job: elastic training through two failures, with a report",
+        description="Train tiny-llama on 8 CPU slots (2 nodes x 4) under the elastic "
+                    "supervisor with async saves, kill one slot and hang another, recover "
+                    "on the survivors, run the same steps uninterrupted as the reference, "
+                    "and write report.md, loss.png and timeline.json.")
+    parser.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    parser.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-llama.yaml"))
+    parser.add_argument("--hardware", default=str(REPO / "recipes" / "hardware" /
+                                                  "cpu-slots.yaml"))
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-interval", type=int, default=5)
+    parser.add_argument("--kill", default="12:3", metavar="STEP:SLOT",
+                        help="the slot killed and the step it dies at (default 12:3)")
+    parser.add_argument("--hang", default="27:6", metavar="STEP:SLOT",
+                        help="the slot that hangs and the step it hangs at (default 27:6)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=20.0, metavar="S")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
+    parser.add_argument("--synthetic-data", action="store_true",
+                        help="train on seeded random tokens instead of the demo corpus "
+                             "(Python sources of this machine, made once under --out/data)")
+    parser.set_defaults(func=run)
+
+
+def parse_failure(spec: str, kind: str) -> Failure:
+    try:
+        step, slot = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise FailurePlanError(f"--{kind} {spec!r}: write STEP:SLOT, e.g. 12:3") from None
+    return Failure(step=step, slot=slot, kind=kind)
+
+
+def clean(out: Path) -> None:
+    """Remove the demo's own outputs of an earlier run, nothing else."""
+    for name in OUTPUTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    for path in out.glob("launch*"):
+        if path.is_dir():
+            shutil.rmtree(path)
+
+
+def demo_data(args: argparse.Namespace, recipe, out: Path) -> DataConfig:
+    """The demo corpus (made and tokenised the first time) or synthetic tokens."""
+    if args.synthetic_data:
+        return DataConfig(kind="synthetic")
+    data = prepare_demo_data(out / "data", recipe, max_mb=CORPUS_MB)
+    summary = prepare_data(data, recipe)
+    print(f"{PREFIX}:   {summary.documents:,} documents, {summary.tokens:,} tokens",
+          flush=True)
+    return data
+
+
+def run_reference(recipe_path: str, steps: int, data: DataConfig, out: Path) -> float:
+    """The uninterrupted run on ``REFERENCE_LAYOUT``."""
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    result = run_torchrun(2, "elastor_mcore.runtime.worker",
+                          ["--recipe", recipe_path, "--layout", REFERENCE_LAYOUT,
+                           "--steps", str(steps), "--metrics-out", str(out / "metrics.jsonl"),
+                           "--data-config", data.to_json()],
+                          capture=True)
+    (out / "torchrun.log").write_text(result.stdout + result.stderr)
+    if result.returncode:
+        raise RuntimeError(f"the reference run failed (exit {result.returncode}); its output "
+                           f"is in {out / 'torchrun.log'}")
+    return time.perf_counter() - start
+
+
+def layout_diagrams(config: SupervisorConfig, launches) -> list[str]:
+    """``elastor plan``'s diagram of each launch's layout (the planner is deterministic,
+    so planning the launch's alive slots again gives its layout)."""
+    recipe, hardware = config.recipe, config.hardware
+    full = plan(recipe, hardware, config.slots)
+    tokens = recipe.training.global_batch_size * recipe.model.seq_length
+    out = []
+    for launch in launches:
+        chosen = plan(recipe, hardware, launch.alive)
+        dead = [s for s in config.slots if s not in launch.alive]
+        out.append(diagram(chosen, full.step_s, tokens,
+                           f"{recipe.name} on {len(launch.alive)} alive slots (dead: "
+                           f"{', '.join(map(str, dead)) or 'none'})"))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    try:
+        recipe = load_recipe(args.recipe)
+        hardware = load_hardware(args.hardware)
+        failures = (parse_failure(args.kill, "kill"), parse_failure(args.hang, "hang"))
+        config = SupervisorConfig(
+            recipe=recipe, recipe_path=args.recipe, hardware=hardware,
+            slots=tuple(range(args.slots)), steps=args.steps, run_dir=out,
+            save_interval=args.save_interval, async_save=True, failures=failures,
+            failure_plan=str(out / "failure-plan.yaml"), max_restarts=len(failures),
+            hang=HangPolicy(startup_timeout_s=args.startup_timeout,
+                            timeout_s=args.heartbeat_timeout), devices="cpu")
+    except (RecipeError, HardwareError, FailurePlanError, ValueError) as exc:
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
+        return 2
+    nodes = -(-args.slots // hardware.gpus_per_node)
+    print(f"{PREFIX}: {recipe.name} on {args.slots} CPU slots ({nodes} nodes x "
+          f"{hardware.gpus_per_node}), {args.steps} steps, async save every "
+          f"{args.save_interval}; failures: " + ", ".join(
+              f"{f.kind} slot {f.slot} at step {f.step}" for f in failures), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    clean(out)
+    (out / "failure-plan.yaml").write_text(yaml.safe_dump(
+        {"failures": [{"step": f.step, "slot": f.slot, "kind": f.kind} for f in failures]},
+        sort_keys=False))
+
+    print(f"{PREFIX}: [1/4] data: " + ("synthetic tokens" if args.synthetic_data else
+                                       f"the demo corpus under {out / 'data'}"), flush=True)
+    try:
+        data = demo_data(args, recipe, out)
+    except DataError as exc:
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
+        return 2
+    config = replace(config, data=data)
+
+    print(f"{PREFIX}: [2/4] reference: {args.steps} uninterrupted steps on "
+          f"{REFERENCE_LAYOUT} ...", flush=True)
+    try:
+        took = run_reference(args.recipe, args.steps, data, out / "reference")
+    except RuntimeError as exc:
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
+        return 1
+    reference = {m["step"]: m["loss"] for m in read_metrics(out / "reference" / "metrics.jsonl")}
+    print(f"{PREFIX}:   done in {took:.0f}s, final loss {reference[args.steps]:.6f}", flush=True)
+
+    print(f"{PREFIX}: [3/4] elastic run under the supervisor ...", flush=True)
+    start = time.perf_counter()
+    supervisor = Supervisor(config, on_message=lambda line: print(f"{PREFIX}:   {line}",
+                                                                  flush=True),
+                            on_step=StepPrinter(args.steps, every=5, prefix=PREFIX))
+    outcome = supervisor.run()
+    elastic_s = time.perf_counter() - start
+
+    print(f"{PREFIX}: [4/4] report ...", flush=True)
+    items = recoveries(outcome.launches)
+    layouts = " -> ".join(str(len(l.slots)) for l in outcome.launches)
+    summary = (f"{'Finished' if outcome.finished else 'FAILED'}: {outcome.reason}. "
+               f"Slots per launch: {layouts}; elastic run {elastic_s:.0f}s, reference "
+               f"{took:.0f}s.")
+    settings = {"recipe": args.recipe, "hardware": args.hardware,
+                "slots": f"{args.slots} ({nodes} nodes x {hardware.gpus_per_node})",
+                "steps": args.steps, "saves": f"asynchronous, every {args.save_interval} steps",
+                "failures": ", ".join(f"{f.kind} of slot {f.slot} at step {f.step}"
+                                      for f in failures),
+                "heartbeat timeout": f"{args.heartbeat_timeout:.0f}s after the first step, "
+                                     f"{args.startup_timeout:.0f}s before",
+                "data": data.describe() + " (samples are the same under every layout)",
+                "reference": f"the same steps uninterrupted on {REFERENCE_LAYOUT} (2 "
+                             f"data-parallel ranks, no failure)"}
+    worst = write_report(out, "elastor demo: recovery on the survivors",
+                         "elastor demo " + " ".join(sys.argv[2:]), settings, outcome.launches,
+                         reference, layout_diagrams(config, outcome.launches),
+                         hardware.gpus_per_node, summary)
+    print_summary(outcome, PREFIX)
+    for launch in outcome.launches:
+        print(f"{PREFIX}:   launch {launch.index}: {len(launch.slots):2d} slots  "
+              f"{launch.describe}")
+    ok = outcome.finished and len(items) == len(failures) and worst <= TOLERANCE
+    print(f"{PREFIX}: max relative loss difference from the reference over every step run: "
+          f"{worst:.2e} ({'within' if worst <= TOLERANCE else 'ABOVE'} {TOLERANCE:g})")
+    print(f"{PREFIX}: wrote {out / 'report.md'}, {out / 'loss.png'}, {out / 'timeline.json'}")
+    return 0 if ok else 1

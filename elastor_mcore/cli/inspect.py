@@ -1,0 +1,56 @@
+"""``elastor inspect DIR``: what a checkpoint holds, from its manifest alone."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from elastor_mcore.checkpoint import CheckpointError, open as open_checkpoint
+from elastor_mcore.parallel.layout import LayoutError, layout_from_dict
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "inspect", help="show a checkpoint's step, layout and tensors",
+        description="Print the step, the layout at save time and a table of tensors "
+                    "(name, shape, dtype, inner chunk shape, bytes) of a checkpoint. DIR "
+                    "is a step_N directory or a checkpoint root (its latest step).")
+    parser.add_argument("dir", help="checkpoint root or step directory")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        reader = open_checkpoint(args.dir)
+    except CheckpointError as exc:
+        print(f"elastor inspect: {exc}", file=sys.stderr)
+        return 2
+    manifest = reader.manifest
+    print(f"checkpoint: {reader.path}")
+    print(f"step: {manifest.step}  (format version {manifest.format_version}, "
+          f"written by {manifest.writers} rank(s))")
+    print(f"layout at save: {_describe_layout(manifest.layout)}")
+    if manifest.consumed_samples is not None:
+        print(f"consumed samples: {manifest.consumed_samples}")
+    rows = [(t.name, "x".join(map(str, t.shape)) or "scalar", t.dtype,
+             "x".join(map(str, t.chunks)) or "-", f"{t.nbytes:,}") for t in reader.tensors()]
+    header = ("name", "shape", "dtype", "chunks", "bytes")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(c.rjust(w) if i == 4 else c.ljust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    total = sum(t.nbytes for t in reader.tensors())
+    on_disk = sum(f.stat().st_size for f in Path(reader.path).rglob("*") if f.is_file())
+    print(f"total: {len(rows)} tensors, {total:,} bytes of data, {on_disk:,} bytes on disk")
+    return 0
+
+
+def _describe_layout(layout) -> str:
+    if layout is None:
+        return "(not recorded)"
+    try:
+        return layout_from_dict(layout).describe()
+    except (LayoutError, TypeError, KeyError, ValueError):
+        return json.dumps(layout, sort_keys=True)

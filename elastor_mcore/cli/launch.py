@@ -1,0 +1,136 @@
+"""``elastor launch``: train under the elastic supervisor, recovering from failures
+on the surviving slots (see ``docs/elastic.md``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from elastor_mcore.data.config import DataConfig, add_data_args, data_config_from_args
+from elastor_mcore.data.errors import DataError
+from elastor_mcore.data.source import prepare_data
+from elastor_mcore.config.failure_plan import FailurePlanError, load_failure_plan
+from elastor_mcore.elastic.heartbeat import HangPolicy
+from elastor_mcore.elastic.supervisor import Outcome, Supervisor, SupervisorConfig
+from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
+from elastor_mcore.planner import HardwareError, load_hardware
+from elastor_mcore.config.recipe import RecipeError, load_recipe
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "launch", help="train under the elastic supervisor (recovers from failures)",
+        description="Plan a layout for the slots, run it under torchrun and watch it. "
+                    "When a rank exits non-zero or stops heart-beating, stop the job, find "
+                    "the surviving slots, re-plan and relaunch from the latest committed "
+                    "checkpoint.")
+    parser.add_argument("--recipe", required=True, help="recipe YAML (model + training)")
+    parser.add_argument("--hardware", required=True,
+                        help="hardware profile YAML for the planner, e.g. "
+                             "recipes/hardware/cpu-slots.yaml")
+    parser.add_argument("--slots", type=int, default=None, metavar="N",
+                        help="slots 0..N-1 (node-major, the profile's gpus_per_node per "
+                             "node; default: one node on CPU, every visible GPU on CUDA)")
+    parser.add_argument("--steps", type=int, required=True, help="optimizer steps in all")
+    parser.add_argument("--run-dir", required=True, metavar="DIR",
+                        help="checkpoints, per-launch logs and timeline.json go here")
+    parser.add_argument("--save-interval", type=int, required=True, metavar="K",
+                        help="save every K steps (a failure redoes at most K steps)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, metavar="N")
+    parser.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=None, help="override the recipe's seed")
+    parser.add_argument("--failure-plan", default=None, metavar="YAML",
+                        help="inject failures: a list of {step, slot, kind: kill|hang}")
+    parser.add_argument("--max-restarts", type=int, default=3, metavar="N",
+                        help="give up after N recoveries (default 3)")
+    parser.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="S",
+                        help="a rank silent for S seconds after its first step is hung "
+                             "(default 60)")
+    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
+                        help="silence allowed before a rank's first step of a launch: "
+                             "imports, model build, checkpoint load (default 300)")
+    parser.add_argument("--devices", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="cuda probes each GPU after a failure (default: cuda if "
+                             "available)")
+    parser.add_argument("--probe-timeout", type=float, default=60.0, metavar="S")
+    add_data_args(parser)
+    parser.set_defaults(func=run)
+
+
+def devices(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_config(args: argparse.Namespace) -> SupervisorConfig:
+    """Validate every input (raising with the field and the fix) before anything runs."""
+    recipe = load_recipe(args.recipe)
+    hardware = load_hardware(args.hardware)
+    kind = devices(args.devices)
+    count = args.slots
+    if count is None:
+        if kind == "cuda":
+            import torch
+            count = torch.cuda.device_count()
+        else:
+            count = hardware.gpus_per_node
+    if count <= 0:
+        raise ValueError(f"--slots must be positive, got {count}")
+    failures = load_failure_plan(args.failure_plan) if args.failure_plan else ()
+    return SupervisorConfig(
+        recipe=recipe, recipe_path=args.recipe, hardware=hardware,
+        slots=tuple(range(count)), steps=args.steps, run_dir=Path(args.run_dir),
+        save_interval=args.save_interval, keep_checkpoints=args.keep_checkpoints,
+        async_save=args.async_save, seed=args.seed, failures=failures,
+        failure_plan=args.failure_plan, max_restarts=args.max_restarts,
+        hang=HangPolicy(startup_timeout_s=args.startup_timeout,
+                        timeout_s=args.heartbeat_timeout),
+        devices=kind, probe_timeout_s=args.probe_timeout,
+        data=data_config_from_args(args, default=DataConfig(kind="synthetic")))
+
+
+class StepPrinter:
+    """One progress line every ``every`` steps and at the first step of each launch."""
+
+    def __init__(self, steps: int, every: int = 1, prefix: str = "elastor launch") -> None:
+        self.steps, self.every, self.prefix = steps, every, prefix
+        self.first: set[int] = set()
+
+    def __call__(self, launch: LaunchRecord, m: dict[str, Any]) -> None:
+        first = launch.index not in self.first
+        self.first.add(launch.index)
+        if first or m["step"] % self.every == 0 or m["step"] == self.steps:
+            print(f"{self.prefix}:   step {m['step']:4d}/{self.steps}  loss {m['loss']:.6f}  "
+                  f"{m['time_s']:.2f}s/step  on {len(launch.slots)} slots", flush=True)
+
+
+def print_summary(outcome: Outcome, prefix: str) -> None:
+    items = recoveries(outcome.launches)
+    if items:
+        print(f"{prefix}: recovery timeline (seconds)")
+        print(table(items))
+    layouts = " -> ".join(f"{len(l.slots)}" for l in outcome.launches)
+    print(f"{prefix}: {'finished' if outcome.finished else 'FAILED'}: {outcome.reason}; "
+          f"slots per launch: {layouts}", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    prefix = "elastor launch"
+    try:
+        config = build_config(args)
+        print(f"{prefix}: data: {config.data.describe()}", flush=True)
+        prepare_data(config.data, config.recipe)  # once, before any rank starts
+    except (RecipeError, HardwareError, FailurePlanError, DataError, ValueError) as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return 2
+    supervisor = Supervisor(config, on_message=lambda line: print(f"{prefix}: {line}",
+                                                                  flush=True),
+                            on_step=StepPrinter(config.steps, prefix=prefix))
+    outcome = supervisor.run()
+    print_summary(outcome, prefix)
+    print(f"{prefix}: timeline in {config.run_dir / 'timeline.json'}")
+    return 0 if outcome.finished else 1

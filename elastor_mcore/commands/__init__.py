@@ -1,1 +1,0 @@
-"""Sub-commands of the ``elastor`` CLI (see ``elastor_mcore.cli``)."""

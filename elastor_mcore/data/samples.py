@@ -1,0 +1,64 @@
+"""Layout-independent training data: sample ``i`` of the run never depends on the layout.
+
+A ``SampleSource`` maps a global sample index to ``seq_length + 1`` token ids
+(inputs are ``[:-1]``, labels ``[1:]``). Global batch ``k`` is samples
+``k*G ... k*G+G-1``; pipeline ``p`` takes the contiguous slice
+``Layout.sample_range(p, micro_batch_size)`` of it, cut into micro-batches in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from elastor_mcore.parallel.layout import Layout
+
+
+class SampleSource(Protocol):
+    """Anything that yields the tokens of global sample ``index``."""
+
+    def sample(self, index: int) -> torch.Tensor:
+        """Token ids of sample ``index``: int64, shape ``[seq_length + 1]``."""
+        ...
+
+    def close(self) -> None:
+        """Stop whatever prepares samples in the background."""
+        ...
+
+
+@dataclass(frozen=True)
+class SyntheticTokens:
+    """Deterministic random tokens: sample ``i`` comes from a generator seeded by
+    (seed, i), so it is the same whichever rank, layout or restart asks for it."""
+
+    vocab_size: int
+    seq_length: int
+    seed: int
+
+    def sample(self, index: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return torch.randint(0, self.vocab_size, (self.seq_length + 1,), generator=generator)
+
+    def close(self) -> None:
+        """Nothing runs in the background; sources are closed alike after training."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    tokens: torch.Tensor   # [micro_batch_size, seq_length] inputs
+    labels: torch.Tensor   # [micro_batch_size, seq_length] next tokens
+
+
+def pipeline_micro_batches(source: SampleSource, layout: Layout, pipeline: int, step: int,
+                           global_batch_size: int, micro_batch_size: int) -> list[MicroBatch]:
+    """The micro-batches pipeline ``pipeline`` trains on at ``step`` (0-based)."""
+    first = step * global_batch_size
+    indices = [first + i for i in layout.sample_range(pipeline, micro_batch_size)]
+    out = []
+    for start in range(0, len(indices), micro_batch_size):
+        samples = torch.stack([source.sample(i) for i in indices[start:start + micro_batch_size]])
+        out.append(MicroBatch(tokens=samples[:, :-1].contiguous(),
+                              labels=samples[:, 1:].contiguous()))
+    return out

@@ -1,0 +1,109 @@
+"""Boxes of global tensors and their common refinement: pure geometry, no torch.
+
+A rank holds a *box* (offset and shape per dimension) of each global tensor. The key
+operation is the *common refinement*: given the boxes every rank holds of every
+global tensor, cut each tensor into cells such that every cell is either wholly
+inside or wholly outside each rank's box. Each cell then has a fixed set of holders.
+Gradient reduction (one group per holder set) and the checkpoint (each cell written
+once) are both built on it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+
+@dataclass(frozen=True)
+class Box:
+    """An axis-aligned region of a global tensor: ``offset`` and ``shape`` per dim."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def end(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offset, self.shape))
+
+    def contains(self, other: "Box") -> bool:
+        return all(o <= oo and oo + os <= o + s
+                   for o, s, oo, os in zip(self.offset, self.shape, other.offset, other.shape))
+
+    def intersect(self, other: "Box") -> "Box | None":
+        lo = tuple(max(a, b) for a, b in zip(self.offset, other.offset))
+        hi = tuple(min(a, b) for a, b in zip(self.end, other.end))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offset, self.shape))
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Picklable description of one local shard of a global tensor."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    box: Box
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A piece of a global tensor held, whole, by exactly the ranks in ``holders``."""
+
+    key: str
+    box: Box
+    holders: tuple[int, ...]
+
+
+def common_refinement(infos_by_rank: dict[int, Sequence[ShardInfo]]) -> list[Cell]:
+    """Cut every global tensor into cells along every rank's shard boundaries.
+
+    Deterministic: every rank computing it from the same gathered input gets the same
+    list, in the same order (by key, then cell offset).
+    """
+    boxes: dict[str, list[tuple[int, Box]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for rank in sorted(infos_by_rank):
+        for info in infos_by_rank[rank]:
+            if shapes.setdefault(info.key, info.global_shape) != info.global_shape:
+                raise ValueError(
+                    f"ranks disagree on the global shape of {info.key}: "
+                    f"{shapes[info.key]} vs {info.global_shape}")
+            boxes.setdefault(info.key, []).append((rank, info.box))
+    cells = []
+    for key in sorted(boxes):
+        held = boxes[key]
+        ndim = len(shapes[key])
+        cuts = []
+        for dim in range(ndim):
+            points = {0, shapes[key][dim]}
+            for _, box in held:
+                points.update((box.offset[dim], box.end[dim]))
+            cuts.append(sorted(points))
+        intervals = [list(zip(c[:-1], c[1:])) for c in cuts]
+        for combo in itertools.product(*intervals):
+            box = Box(tuple(lo for lo, _ in combo), tuple(hi - lo for lo, hi in combo))
+            holders = tuple(sorted({r for r, b in held if b.contains(box)}))
+            if holders:
+                cells.append(Cell(key, box, holders))
+    return cells
+
+
+def local_view(tensor: Any, held: Box, cell: Box) -> Any:
+    """The part of a local shard ``tensor`` (a torch tensor covering ``held``) that is
+    ``cell``: a view, by ``narrow`` along each dimension."""
+    for dim, (co, ho, size) in enumerate(zip(cell.offset, held.offset, cell.shape)):
+        tensor = tensor.narrow(dim, co - ho, size)
+    return tensor

@@ -1,0 +1,162 @@
+"""Elastor's flags for Megatron-LM's ``pretrain_gpt.py``, and the hook its patch calls.
+
+``add_elastor_args`` adds the flags (a separate ``--elastor-ckpt-format``: Megatron's
+``--ckpt-format`` choices are a fixed list). ``install_hooks`` installs
+``hooks`` with options read from Megatron-LM's parsed arguments on first use,
+since Megatron-LM parses them inside ``pretrain`` (core_r0.16) or just before it.
+
+Under an ``--elastor-layout`` each rank's Megatron arguments are rewritten to its own
+stage (TP degree, stage count, layers per stage, layout-independent vocabulary
+padding), so Megatron-LM's model provider builds exactly that rank's stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Callable
+
+from elastor_mcore.integrations.megatron_lm import hooks
+from elastor_mcore.checkpoint import ChunkPolicy
+from elastor_mcore.parallel.groups import RankGroups
+from elastor_mcore.parallel.layout import Layout, load_layout
+from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
+from elastor_mcore.integrations.megatron_lm.hooks import CKPT_FORMATS, ElastorOptions
+from elastor_mcore.config.recipe import ModelConfig, Recipe, TrainingConfig
+
+log = logging.getLogger(__name__)
+
+
+def add_elastor_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add Elastor's flags to Megatron-LM's parser (an ``extra_args_provider``)."""
+    group = parser.add_argument_group("elastor", "Elastor: heterogeneous layouts and "
+                                      "partition-agnostic zarr checkpoints")
+    group.add_argument("--elastor-layout", default=None, metavar="SPEC",
+                       help="layout YAML file or shorthand like dp2-tp2-pp2; builds "
+                            "Elastor's process groups instead of Megatron's uniform grid")
+    group.add_argument("--elastor-ckpt-format", default=None, choices=CKPT_FORMATS,
+                       help="save checkpoints in the elastor zarr format (any layout "
+                            "loads them); zarr and torch_dist checkpoints both load, "
+                            "told apart by metadata.json")
+    group.add_argument("--elastor-ckpt-keep", type=int, default=0, metavar="N",
+                       help="keep only the N newest zarr checkpoints under --save "
+                            "(default 0: keep all)")
+    group.add_argument("--elastor-split-sizes", type=int, nargs="+", default=None,
+                       metavar="TP",
+                       help="TP degrees that later layouts may load the checkpoint with; "
+                            "inner chunks are cut so each one reads whole chunks "
+                            "(default: every TP degree the model allows)")
+    return parser
+
+
+def extra_args_provider(base: Callable | None = None) -> Callable:
+    """``extra_args_provider`` adding Elastor's flags after ``base``'s (e.g. ModelOpt's)."""
+    def provider(parser):
+        if base is not None:
+            parser = base(parser)
+        return add_elastor_args(parser)
+    return provider
+
+
+def recipe_from_args(args: argparse.Namespace) -> Recipe:
+    """The model and batch shape Megatron-LM's arguments describe, as a Recipe, so the
+    layout is validated like any Elastor layout."""
+    heads = args.num_attention_heads
+    model = ModelConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        vocab_size=args.padded_vocab_size or args.vocab_size,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        rotary_base=int(args.rotary_base),
+        norm_epsilon=args.norm_epsilon,
+        init_method_std=args.init_method_std,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )
+    training = TrainingConfig(global_batch_size=args.global_batch_size,
+                              micro_batch_size=args.micro_batch_size, seed=args.seed,
+                              params_dtype="bfloat16" if args.bf16 else "float32")
+    return Recipe(name="megatron-lm", model=model, training=training)
+
+
+def options_from_args(args: argparse.Namespace) -> ElastorOptions:
+    """Hook options from parsed Megatron-LM arguments (validates the layout)."""
+    if args.elastor_ckpt_keep < 0:
+        raise ValueError(f"--elastor-ckpt-keep={args.elastor_ckpt_keep}: use 0 (keep all) "
+                         f"or a positive count")
+    ckpt_format = getattr(args, "ckpt_format", "torch_dist")
+    if args.elastor_ckpt_format and ckpt_format != "torch_dist":
+        raise ValueError(f"--elastor-ckpt-format {args.elastor_ckpt_format} replaces the "
+                         f"torch_dist backend; drop --ckpt-format {ckpt_format} (the default, "
+                         f"torch_dist, is needed)")
+    recipe = recipe_from_args(args)
+    layout = load_layout(args.elastor_layout, recipe) if args.elastor_layout else None
+    split = tuple(args.elastor_split_sizes or recipe.model.valid_tp_sizes)
+    extra = {"model": recipe.to_dict()["model"]}
+    if layout is not None:
+        extra["layout"] = layout.to_dict()
+    return ElastorOptions(
+        layout=layout, ckpt_format=args.elastor_ckpt_format,
+        save=ZarrSaveSettings(chunking=ChunkPolicy(split_sizes=split),
+                              keep=args.elastor_ckpt_keep, manifest_extra=extra))
+
+
+def megatron_can_train(layout: Layout) -> bool:
+    """Megatron-LM's own schedule and data-parallel reduction assume identical
+    pipelines with one TP degree throughout (uneven layers per stage are fine)."""
+    first = layout.pipelines[0]
+    shape = [(s.tp, s.layers) for s in first.stages]
+    return len({s.tp for s in first.stages}) == 1 and all(
+        [(s.tp, s.layers) for s in p.stages] == shape and p.micro_batches == first.micro_batches
+        for p in layout.pipelines)
+
+
+def adapt_args(args: argparse.Namespace, groups: RankGroups | None) -> None:
+    """Rewrite this rank's Megatron arguments to its own stage of the layout."""
+    if groups is None:
+        raise RuntimeError(
+            f"rank {args.rank} is idle in --elastor-layout: Megatron-LM needs work on "
+            f"every rank; start exactly the ranks the layout uses "
+            f"({hooks.options().layout.num_gpus})")
+    layout = groups.layout
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        raise ValueError("--elastor-layout does not support virtual pipeline stages; drop "
+                         "--num-layers-per-virtual-pipeline-stage / "
+                         "--virtual-pipeline-model-parallel-size")
+    if not megatron_can_train(layout):
+        log.warning("layout %s varies TP or pipelines: Megatron-LM's own schedule and "
+                    "gradient reduction cannot train it (models build and checkpoints "
+                    "save/load); train it with `elastor train`", layout.describe())
+    pipeline = layout.pipelines[groups.position.pipeline]
+    stage_layers = [s.layers for s in pipeline.stages]
+    args.tensor_model_parallel_size = pipeline.stages[groups.position.stage].tp
+    args.pipeline_model_parallel_size = len(stage_layers)
+    if args.data_parallel_size != len(layout.pipelines):
+        from megatron.core.num_microbatches_calculator import (
+            reconfigure_num_microbatches_calculator)
+
+        args.data_parallel_size = len(layout.pipelines)
+        reconfigure_num_microbatches_calculator(
+            args.rank, args.rampup_batch_size, args.global_batch_size,
+            args.micro_batch_size, args.data_parallel_size,
+            getattr(args, "decrease_batch_size_if_needed", False))
+    if len(set(stage_layers)) > 1:
+        stages = [["decoder"] * n for n in stage_layers]
+        stages[0].insert(0, "embedding")
+        stages[-1].append("loss")
+        args.pipeline_model_parallel_layout = stages
+        args.decoder_first_pipeline_num_layers = None
+        args.decoder_last_pipeline_num_layers = None
+    args.padded_vocab_size = recipe_from_args(args).model.padded_vocab_size
+
+
+def install_hooks() -> None:
+    """The hook ``patches/`` call before ``pretrain``: options come from Megatron-LM's
+    parsed arguments when first needed."""
+    from megatron.training import get_args
+
+    hooks.install(lambda: options_from_args(get_args()),
+                           on_parallel_state=lambda groups: adapt_args(get_args(), groups))

@@ -1,0 +1,141 @@
+"""Gradient reduction across pipelines whose TP splits differ, and the global norm.
+
+Semantics (DESIGN.md): the loss is the mean over every token of the global batch, so
+each pipeline's gradient is a partial sum and the true gradient is their sum. We cut
+every global tensor into the cells of the common refinement of all ranks' shards
+(``geometry.common_refinement``). For a cell held in several pipelines, its holders
+all-reduce it in the group of exactly those holders; inside one pipeline the holders
+are TP replicas with identical gradients (norm weights), so only the lowest-ranked
+holder of each pipeline contributes and the others add zeros: each pipeline counts
+once. Cells that share a holder set are packed into one buffer and one all-reduce;
+groups are created once, and every rank issues the reductions in the same global
+order (sorted holder sets), which keeps overlapping groups from deadlocking.
+
+The gradient norm counts every element of every global tensor once: each cell is
+counted by its lowest-ranked holder, after reduction.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from elastor_mcore.parallel.groups import GroupCache
+from elastor_mcore.parallel.layout import Layout
+from elastor_mcore.geometry import Cell, common_refinement, local_view
+from elastor_mcore.parallel.shards import gather_shard_infos, owning_parameter, shard_info, sharded_tensors, view_like
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Piece:
+    grad: torch.Tensor          # view of the cell in this rank's .grad
+    contributes: bool           # this rank's pipeline counts through this rank
+
+
+@dataclass
+class _Bucket:
+    holders: tuple[int, ...]
+    group: dist.ProcessGroup
+    pieces: list[_Piece]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.grad.numel() for p in self.pieces)
+
+
+@dataclass(frozen=True)
+class ReductionStats:
+    """Per-step gradient traffic of this rank, for ``tools/comm_volume.py``."""
+
+    reduced_elements: int       # elements this rank all-reduces per step
+    buckets: int                # all-reduce calls per step
+    unique_elements: int        # elements of the cells it must reduce (no replicas)
+
+
+def reduction_plan(cells: list[Cell], pipeline_of: dict[int, int]):
+    """Cells held in more than one pipeline, grouped by holder set, sorted."""
+    plan: dict[tuple[int, ...], list[Cell]] = {}
+    for cell in cells:
+        if len({pipeline_of[h] for h in cell.holders}) > 1:
+            plan.setdefault(cell.holders, []).append(cell)
+    return dict(sorted(plan.items()))
+
+
+class GradientSynchronizer:
+    """Built once per layout on every world rank (group creation is collective)."""
+
+    def __init__(self, layout: Layout, model: torch.nn.Module | None, cache: GroupCache,
+                 world_group=None) -> None:
+        rank = dist.get_rank()
+        shards = sharded_tensors(model) if model is not None else []
+        infos = [shard_info(st) for st in shards]
+        cells = common_refinement(gather_shard_infos(infos, world_group))
+        pipeline_of = {r: layout.position(r).pipeline for r in layout.ranks}
+        plan = reduction_plan(cells, pipeline_of)
+        self.buckets: list[_Bucket] = []
+        self._norm_views: list[torch.Tensor] = []
+        if model is None:
+            for holders in plan:
+                cache.get(holders)
+            return
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        local = {}
+        for st, info in zip(shards, infos):
+            param = owning_parameter(model, st.data)
+            local[info.key] = (view_like(st.data, param, param.grad), info)
+        for holders, bucket_cells in plan.items():
+            group = cache.get(holders)
+            if rank not in holders:
+                continue
+            pieces = []
+            for cell in bucket_cells:
+                grad, info = local[cell.key]
+                first_in_pipeline = min(h for h in holders
+                                        if pipeline_of[h] == pipeline_of[rank])
+                pieces.append(_Piece(local_view(grad, info.box, cell.box),
+                                     contributes=rank == first_in_pipeline))
+            self.buckets.append(_Bucket(holders, group, pieces))
+        for cell in cells:
+            if cell.holders[0] == rank:
+                grad, info = local[cell.key]
+                self._norm_views.append(local_view(grad, info.box, cell.box))
+        log.info("rank %d: %d reduction buckets, %d elements", rank, len(self.buckets),
+                 sum(b.numel for b in self.buckets))
+
+    def stats(self) -> ReductionStats:
+        return ReductionStats(
+            reduced_elements=sum(b.numel for b in self.buckets),
+            buckets=len(self.buckets),
+            unique_elements=sum(p.grad.numel() for b in self.buckets for p in b.pieces
+                                if p.contributes))
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Sum gradients across pipelines (in place, in the global bucket order)."""
+        for bucket in self.buckets:
+            flat = torch.cat([p.grad.reshape(-1) if p.contributes
+                              else torch.zeros(p.grad.numel(), dtype=p.grad.dtype,
+                                               device=p.grad.device)
+                              for p in bucket.pieces])
+            dist.all_reduce(flat, group=bucket.group)
+            offset = 0
+            for p in bucket.pieces:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+
+    @torch.no_grad()
+    def global_norm(self, active_group) -> float:
+        """L2 norm of the full gradient, each global element counted once."""
+        local = torch.zeros((), dtype=torch.float64)
+        for view in self._norm_views:
+            local += view.double().pow(2).sum()
+        dist.all_reduce(local, group=active_group)
+        return float(local.sqrt())

@@ -1,0 +1,121 @@
+"""The training state of one rank, as checkpoint shards, and its manifest fields.
+
+A rank's state is its model shards (mcore ShardedTensors) and, for each of them, the
+matching slices of AdamW's moments, stored under ``optimizer.exp_avg.<key>`` and
+``optimizer.exp_avg_sq.<key>``. Each is a global tensor in the checkpoint, so any
+layout can load them. The manifest records what a resume needs besides tensors: the
+model config (checked on load), the layout at save time, the data position, the
+optimizer's hyper-parameters and step count, and the RNG state.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from elastor_mcore import checkpoint
+from elastor_mcore.checkpoint import ChunkPolicy, CheckpointError, LocalShard, Manifest
+from elastor_mcore.parallel.layout import Layout
+from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.parallel.shards import owning_parameter, sharded_tensors, view_like
+
+log = logging.getLogger(__name__)
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's per-parameter state (zeros) where it does not exist yet, so a
+    load has tensors to fill and a save has moments to write before the first step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                for name in ADAM_MOMENTS:
+                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def state_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[LocalShard]:
+    """Every tensor of this rank's training state, as views (no copies)."""
+    ensure_optimizer_state(optimizer)
+    shards = []
+    for st in sharded_tensors(model):
+        shape, offset = tuple(st.global_shape), tuple(st.global_offset)
+        shards.append(LocalShard(st.key, shape, offset, st.data))
+        param = owning_parameter(model, st.data)
+        for name in ADAM_MOMENTS:
+            moment = view_like(st.data, param, optimizer.state[param][name])
+            shards.append(LocalShard(f"optimizer.{name}.{st.key}", shape, offset, moment))
+    return shards
+
+
+def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int:
+    steps = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
+    return steps.pop() if len(steps) == 1 else 0
+
+
+def _encode_rng() -> str:
+    buffer = io.BytesIO()
+    torch.save(torch.get_rng_state(), buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _decode_rng(text: str) -> torch.Tensor:
+    return torch.load(io.BytesIO(base64.b64decode(text)))
+
+
+def manifest_fields(recipe: Recipe, layout: Layout, step: int, seed: int,
+                    optimizer: torch.optim.Optimizer) -> dict:
+    """The non-tensor state a resume needs (plain JSON)."""
+    return {
+        "model": asdict(recipe.model),
+        "layout": layout.to_dict(),
+        "consumed_samples": step * recipe.training.global_batch_size,
+        "rng": {"torch_cpu": _encode_rng()},
+        "optimizer": {**asdict(recipe.training.optimizer), "type": "AdamW",
+                      "step": optimizer_step_count(optimizer)},
+        "training": {"global_batch_size": recipe.training.global_batch_size,
+                     "micro_batch_size": recipe.training.micro_batch_size,
+                     "seed": seed},
+    }
+
+
+def chunk_policy(recipe: Recipe) -> ChunkPolicy:
+    """Chunks aligned to every TP degree the model allows, so any layout's shard is a
+    union of chunks."""
+    return ChunkPolicy(split_sizes=tuple(recipe.model.valid_tp_sizes))
+
+
+def check_resumable(manifest: Manifest, recipe: Recipe, seed: int) -> None:
+    """Refuse a checkpoint from another model or another data order, naming the field."""
+    checkpoint.check_compatible(manifest, asdict(recipe.model))
+    saved = manifest.extra.get("training", {})
+    run = {"global_batch_size": recipe.training.global_batch_size, "seed": seed}
+    for field, value in run.items():
+        if field in saved and saved[field] != value:
+            raise CheckpointError(
+                f"checkpoint of step {manifest.step} was saved with training.{field}="
+                f"{saved[field]!r} but this run has {value!r}; the data order would differ. "
+                f"Use the checkpoint's value or start from scratch")
+
+
+def restore_non_tensor_state(manifest: Manifest, optimizer: torch.optim.Optimizer) -> None:
+    """Optimizer step counts and the RNG state, after the tensors are loaded."""
+    step = (manifest.optimizer or {}).get("step", manifest.step)
+    for state in optimizer.state.values():
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    if manifest.rng and "torch_cpu" in manifest.rng:
+        torch.set_rng_state(_decode_rng(manifest.rng["torch_cpu"]))
+
+
+def describe_load(path: Path, manifest: Manifest, layout: Layout) -> str:
+    saved = manifest.layout
+    same = saved == layout.to_dict()
+    return (f"resumed from {path} at step {manifest.step} (saved under "
+            f"{'the same layout' if same else 'another layout'})")

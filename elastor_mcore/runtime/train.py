@@ -1,0 +1,269 @@
+"""The training loop for one layout, run inside an initialised torch.distributed world.
+
+Reads top to bottom: build groups, build and initialise this rank's stage, plan the
+gradient reduction, then per step: 1F1B over the pipeline's micro-batches, reduce
+gradients across pipelines, clip by the global norm, AdamW.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from elastor_mcore import checkpoint
+from elastor_mcore.runtime.state import (
+    check_resumable, chunk_policy, describe_load, manifest_fields, restore_non_tensor_state,
+    state_shards)
+from elastor_mcore.data.samples import SampleSource, SyntheticTokens, pipeline_micro_batches
+from elastor_mcore.data.config import DataConfig
+from elastor_mcore.data.source import build_sample_source, pipeline_sample_indices
+from elastor_mcore.runtime.grad_sync import GradientSynchronizer
+from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
+from elastor_mcore.parallel.layout import Layout
+from elastor_mcore.runtime.model import build_stage_model, initialize_weights
+from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
+from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.runtime.rank_hooks import RankHooks
+from elastor_mcore.runtime.schedule import run_1f1b
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int               # 1-based number of the step just taken
+    loss: float             # mean loss over every token of the global batch
+    grad_norm: float        # global gradient norm before clipping
+    time_s: float           # wall time of the step on the reporting rank
+    save_block_s: float | None = None  # time the save after this step blocked training
+    save_in_flight: bool = False       # a background save was running as the step began
+
+
+@dataclass
+class RunConfig:
+    recipe: Recipe
+    layout: Layout
+    steps: int
+    seed: int
+    on_step: Callable[[StepMetrics], None] | None = None
+    """Called on the reporting rank (the lowest active rank) after every step."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where samples come from (default: the seed's synthetic tokens)."""
+    save_dir: str | None = None
+    """Checkpoint root; a step is saved every ``save_interval`` steps and at the end."""
+    save_interval: int = 0
+    keep_checkpoints: int = 2
+    async_save: bool = True
+    """Write checkpoints in the background; training blocks only for a host copy."""
+    save_when_busy: str = "wait"
+    """A save due while the previous one is still writing: "wait" or "skip"."""
+    on_save_error: str = "stop"
+    """A failed save (e.g. a full disk): "stop" the run or log it and "continue"."""
+    load_dir: str | None = None
+    """Resume from the latest committed step under this root (any layout saved it)."""
+    hooks: RankHooks = field(default_factory=RankHooks)
+    """Per-rank callbacks on every active rank (heartbeats, failure injection)."""
+
+
+def device_for_rank() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_optimizer(model: torch.nn.Module, recipe: Recipe) -> torch.optim.AdamW:
+    """AdamW without weight decay on 1-D tensors (norms), as Megatron does."""
+    opt = recipe.training.optimizer
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    no_decay = [p for p in model.parameters() if p.dim() <= 1]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": opt.weight_decay},
+         {"params": no_decay, "weight_decay": 0.0}],
+        lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+
+
+@dataclass
+class StageRunner:
+    """One rank's stage: model, optimizer, communicator and gradient reduction."""
+
+    recipe: Recipe
+    groups: RankGroups
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    grad_sync: GradientSynchronizer
+    comm: StageCommunicator
+    device: torch.device
+    mask: torch.Tensor = field(init=False)
+    positions: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        seq, mbs = self.recipe.model.seq_length, self.recipe.training.micro_batch_size
+        self.mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=self.device),
+                               diagonal=1)[None, None]
+        self.positions = torch.arange(seq, device=self.device)[None].expand(mbs, seq)
+
+    def train_step(self, source: SampleSource, step: int) -> tuple[float, float]:
+        """One optimizer step (0-based ``step``); returns (this rank's loss part, norm)."""
+        recipe, groups = self.recipe, self.groups
+        training = recipe.training
+        pipeline = groups.layout.pipelines[groups.position.pipeline]
+        needs_data = groups.is_first_stage or groups.is_last_stage
+        micro = pipeline_micro_batches(
+            source, groups.layout, groups.position.pipeline, step,
+            training.global_batch_size, training.micro_batch_size) if needs_data else []
+        tokens_per_batch = training.global_batch_size * recipe.model.seq_length
+        loss_sum = torch.zeros((), dtype=torch.float64)
+
+        def forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
+            nonlocal loss_sum
+            if x is not None:
+                self.model.set_input_tensor(x)
+            tokens = micro[i].tokens.to(self.device) if groups.is_first_stage else None
+            if not groups.is_last_stage:
+                return self.model(tokens, self.positions, attention_mask=self.mask)
+            per_token = self.model(tokens, self.positions, attention_mask=self.mask,
+                                   labels=micro[i].labels.to(self.device))
+            loss = per_token.float().sum() / tokens_per_batch
+            loss_sum += loss.detach().double().cpu()
+            return loss
+
+        self.optimizer.zero_grad(set_to_none=False)
+        run_1f1b(pipeline.micro_batches, groups.position.stage, groups.num_stages,
+                 self.comm, forward)
+        self.grad_sync.reduce()
+        norm = self.grad_sync.global_norm(groups.active)
+        clip = training.optimizer.clip_grad
+        if clip > 0 and norm > clip:
+            scale = clip / (norm + 1e-6)
+            for p in self.model.parameters():
+                p.grad.mul_(scale)
+        self.optimizer.step()
+        reports_loss = groups.is_last_stage and groups.position.tp_rank == 0
+        return (float(loss_sum) if reports_loss else 0.0), norm
+
+
+def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache) -> StageRunner | None:
+    """Build everything a rank needs for ``layout``; None on idle ranks.
+
+    Every world rank must call this (group creation and the reduction plan are
+    collective over the world).
+    """
+    groups = build_groups(layout, cache)
+    model = None
+    device = device_for_rank()
+    if groups is not None:
+        pg_collection = install(groups)
+        model = build_stage_model(recipe, groups, pg_collection)
+        initialize_weights(model, recipe, seed)
+        model.to(device)
+    grad_sync = GradientSynchronizer(layout, model, cache)
+    if groups is None:
+        return None
+    model_cfg = recipe.model
+    shape = (model_cfg.seq_length, recipe.training.micro_batch_size, model_cfg.hidden_size)
+    dtype = next(model.parameters()).dtype
+    comm = StageCommunicator(stage_links(layout, groups.rank), shape, dtype, device)
+    return StageRunner(recipe, groups, model, make_optimizer(model, recipe), grad_sync,
+                       comm, device)
+
+
+def train_steps(runner: StageRunner, source: SampleSource, steps: range,
+                on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+    """Run the (0-based) ``steps``; metrics are returned on the reporting rank, the
+    lowest active rank (empty elsewhere)."""
+    reporter = runner.groups.rank == min(runner.groups.layout.ranks)
+    metrics = []
+    for step in steps:
+        start = time.perf_counter()
+        loss_part, norm = runner.train_step(source, step)
+        loss = torch.tensor(loss_part, dtype=torch.float64)
+        dist.all_reduce(loss, group=runner.groups.active)
+        if reporter:
+            m = StepMetrics(step + 1, float(loss), norm, time.perf_counter() - start)
+            metrics.append(m)
+            if on_step:
+                on_step(m)
+    return metrics
+
+
+def resume(runner: StageRunner, load_dir: str, seed: int) -> int:
+    """Load the latest committed step into this rank's state; returns that step."""
+    reader = checkpoint.open(load_dir)
+    path, manifest = reader.path, reader.manifest
+    check_resumable(manifest, runner.recipe, seed)
+    checkpoint.load(path, state_shards(runner.model, runner.optimizer),
+                    group=runner.groups.active)
+    restore_non_tensor_state(manifest, runner.optimizer)
+    log.info(describe_load(path, manifest, runner.groups.layout))
+    return manifest.step
+
+
+def checkpoint_manager(runner: StageRunner, cfg: RunConfig) -> checkpoint.CheckpointManager:
+    policy = checkpoint.SavePolicy(
+        asynchronous=cfg.async_save, when_busy=cfg.save_when_busy,
+        on_error=cfg.on_save_error, keep=cfg.keep_checkpoints)
+    return checkpoint.CheckpointManager(cfg.save_dir, group=runner.groups.active,
+                                        chunking=chunk_policy(cfg.recipe), policy=policy)
+
+
+def save(runner: StageRunner, cfg: RunConfig, saver: checkpoint.CheckpointManager,
+         step: int) -> checkpoint.SaveReport:
+    """Save the state after ``step`` steps (see ``SavePolicy`` for when it commits)."""
+    return saver.save(step, state_shards(runner.model, runner.optimizer),
+                      manifest_fields(cfg.recipe, cfg.layout, step, cfg.seed, runner.optimizer))
+
+
+def open_sample_source(runner: StageRunner, cfg: RunConfig, start: int) -> SampleSource:
+    """This rank's samples from step ``start`` on. Only the first stage (tokens) and the
+    last (labels) read data; a corpus source prepares exactly their samples ahead."""
+    model_cfg = cfg.recipe.model
+    groups = runner.groups
+    if cfg.data.kind == "synthetic" or not (groups.is_first_stage or groups.is_last_stage):
+        return SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
+    training = cfg.recipe.training
+    indices = pipeline_sample_indices(cfg.layout, groups.position.pipeline,
+                                      training.global_batch_size, training.micro_batch_size,
+                                      start, cfg.steps)
+    return build_sample_source(cfg.data, cfg.recipe, indices)
+
+
+def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
+    """Set up this rank for ``cfg.layout``, resume if asked, train until step
+    ``cfg.steps`` and save every ``cfg.save_interval`` steps."""
+    runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache or GroupCache())
+    if runner is None:
+        return []
+    load_start = time.perf_counter()
+    start = resume(runner, cfg.load_dir, cfg.seed) if cfg.load_dir else 0
+    load_s = time.perf_counter() - load_start
+    if cfg.save_dir and runner.groups.rank == min(cfg.layout.ranks):
+        checkpoint.remove_stale(cfg.save_dir)
+    source = open_sample_source(runner, cfg, start)
+    saver = checkpoint_manager(runner, cfg) if cfg.save_dir else None
+    metrics = []
+    cfg.hooks.ready(start, load_s)
+    for step in range(start, cfg.steps):
+        cfg.hooks.step_start(step + 1)
+        in_flight = saver is not None and saver.in_flight
+        reported = train_steps(runner, source, range(step, step + 1))
+        done = step + 1
+        block_s = None
+        if saver and ((cfg.save_interval and done % cfg.save_interval == 0)
+                      or done == cfg.steps):
+            report = save(runner, cfg, saver, done)
+            block_s = None if report.skipped else report.block_s
+        for m in reported:
+            m = replace(m, save_block_s=block_s, save_in_flight=in_flight)
+            metrics.append(m)
+            if cfg.on_step:
+                cfg.on_step(m)
+        cfg.hooks.step_end(done)
+    if saver:
+        saver.close()
+    source.close()
+    return metrics
