@@ -8,8 +8,9 @@ A ``SampleSource`` maps a global sample index to ``seq_length + 1`` token ids
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -51,11 +52,23 @@ class MicroBatch:
     labels: torch.Tensor   # [micro_batch_size, seq_length] next tokens
 
 
+def pipeline_sample_indices(layout: Layout, pipeline: int, global_batch_size: int,
+                            micro_batch_size: int, start_step: int = 0,
+                            stop_step: int | None = None) -> Iterator[int]:
+    """The global sample indices ``pipeline`` trains on, step by step from ``start_step``
+    (e.g. consumed samples // global batch) to ``stop_step`` (None: forever)."""
+    within = layout.sample_range(pipeline, micro_batch_size)
+    steps = itertools.count(start_step) if stop_step is None else range(start_step, stop_step)
+    for step in steps:
+        first = step * global_batch_size
+        yield from (first + i for i in within)
+
+
 def pipeline_micro_batches(source: SampleSource, layout: Layout, pipeline: int, step: int,
                            global_batch_size: int, micro_batch_size: int) -> list[MicroBatch]:
     """The micro-batches pipeline ``pipeline`` trains on at ``step`` (0-based)."""
-    first = step * global_batch_size
-    indices = [first + i for i in layout.sample_range(pipeline, micro_batch_size)]
+    indices = list(pipeline_sample_indices(layout, pipeline, global_batch_size,
+                                           micro_batch_size, step, step + 1))
     out = []
     for start in range(0, len(indices), micro_batch_size):
         samples = torch.stack([source.sample(i) for i in indices[start:start + micro_batch_size]])

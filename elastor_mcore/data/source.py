@@ -4,14 +4,13 @@
 call it in the launcher, before any worker process starts, so one process builds
 the index and the ranks only load it. ``build_sample_source`` gives a rank the
 ``SampleSource`` for the global sample indices it will request, in order
-(``pipeline_sample_indices``). The consumed position recorded in a checkpoint is just
+(``samples.pipeline_sample_indices``). The consumed position recorded in a checkpoint is just
 the first index a restarted rank asks for: nothing before it is read or tokenised.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -143,15 +142,3 @@ def build_sample_source(cfg: DataConfig, recipe: Recipe, indices: Iterable[int])
                      recipe.model.seq_length, recipe.training.seed, cfg.shuffle)
     return PrefetchedSamples(spec, indices, cfg.prefetch_depth, cfg.workers)
 
-
-def pipeline_sample_indices(layout: Layout, pipeline: int, global_batch_size: int,
-                            micro_batch_size: int, start_step: int = 0,
-                            stop_step: int | None = None) -> Iterator[int]:
-    """The global sample indices ``pipeline_micro_batches`` asks ``pipeline`` for, step by
-    step from ``start_step`` (e.g. consumed samples // global batch) to ``stop_step``
-    (None: forever)."""
-    within = layout.sample_range(pipeline, micro_batch_size)
-    steps = itertools.count(start_step) if stop_step is None else range(start_step, stop_step)
-    for step in steps:
-        first = step * global_batch_size
-        yield from (first + i for i in within)
