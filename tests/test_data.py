@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from elastor_mcore.cli import main as cli_main
-from elastor_mcore.data.samples import pipeline_micro_batches
+from elastor_mcore.data.samples import pipeline_micro_batches, pipeline_sample_indices
 from elastor_mcore.data import doc_index
 from elastor_mcore.data.config import (DataConfig, add_data_args, data_config_from_args,
                                            validate_data_config)
@@ -29,8 +29,7 @@ from elastor_mcore.data.corpus import iter_texts, read_text, resolve_corpus
 from elastor_mcore.data.doc_index import JsonlDocuments, load_index
 from elastor_mcore.data.errors import DataError
 from elastor_mcore.data.packing import PackedSamples, PackingPlan
-from elastor_mcore.data.source import (build_sample_source, pipeline_sample_indices,
-                                           prepare_data)
+from elastor_mcore.data.source import build_sample_source, prepare_data
 from elastor_mcore.data.stdlib_corpus import prepare_demo_data
 from elastor_mcore.data.tasks import JsonlSpec, SampleTask
 from elastor_mcore.data.tokenizer import load_tokenizer, train_tokenizer

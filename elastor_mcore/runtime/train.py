@@ -19,9 +19,10 @@ from elastor_mcore import checkpoint
 from elastor_mcore.runtime.state import (
     check_resumable, chunk_policy, describe_load, manifest_fields, restore_non_tensor_state,
     state_shards)
-from elastor_mcore.data.samples import SampleSource, SyntheticTokens, pipeline_micro_batches
+from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_micro_batches,
+                                        pipeline_sample_indices)
 from elastor_mcore.data.config import DataConfig
-from elastor_mcore.data.source import build_sample_source, pipeline_sample_indices
+from elastor_mcore.data.source import build_sample_source
 from elastor_mcore.runtime.grad_sync import GradientSynchronizer
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.parallel.layout import Layout
