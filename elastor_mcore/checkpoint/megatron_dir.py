@@ -38,6 +38,7 @@ import torch
 
 from elastor_mcore.checkpoint import (
     ChunkPolicy, comm, load_sharded_state_dict, save_sharded_state_dict)
+from elastor_mcore.checkpoint.writer import prune_oldest, write_durably
 
 log = logging.getLogger(__name__)
 
@@ -265,25 +266,16 @@ def load_common_state_dict(checkpoint_dir: str | os.PathLike) -> dict:
 
 def write_config(checkpoint_dir: str | os.PathLike) -> None:
     """Mark ``checkpoint_dir`` as a complete elastor zarr checkpoint (the last write)."""
-    path = Path(checkpoint_dir)
-    tmp = path / f".tmp_{CONFIG_FILE}"
-    tmp.write_text(json.dumps({"sharded_backend": BACKEND,
-                               "sharded_backend_version": BACKEND_VERSION,
-                               "common_backend": "torch", "common_backend_version": 1}))
-    os.replace(tmp, path / CONFIG_FILE)
+    write_durably(Path(checkpoint_dir) / CONFIG_FILE, json.dumps({
+        "sharded_backend": BACKEND, "sharded_backend_version": BACKEND_VERSION,
+        "common_backend": "torch", "common_backend_version": 1}))
 
 
 def prune(save_dir: Path, keep: int, just_saved: Path) -> None:
     """Delete all but the ``keep`` newest zarr ``iter_*`` checkpoints of ``save_dir``."""
-    found = sorted((int(m.group(1)), entry) for entry in save_dir.iterdir()
-                   if (m := _ITER_RE.match(entry.name)) and is_zarr_checkpoint(entry))
-    for _, entry in found[:-keep]:
-        if entry.resolve() == just_saved.resolve():
-            continue
-        doomed = entry.parent / f".tmp_{entry.name}.deleting"
-        os.rename(entry, doomed)  # atomic: never a half-deleted iter_N
-        shutil.rmtree(doomed, ignore_errors=True)
-        log.info("pruned %s (keeping %d checkpoints)", entry, keep)
+    prune_oldest([(int(m.group(1)), entry) for entry in save_dir.iterdir()
+                  if (m := _ITER_RE.match(entry.name)) and is_zarr_checkpoint(entry)],
+                 keep, just_saved)
 
 
 def _object_file(path: Path, unique_key: str) -> Path:
@@ -298,7 +290,5 @@ def _serialise(value: Any) -> bytes:
 
 def _write_bytes(data: bytes, file: Path) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(f".tmp_{file.name}")
-    tmp.write_bytes(data)
-    os.replace(tmp, file)
+    write_durably(file, data)
 

@@ -27,10 +27,6 @@ class HostStaging:
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return 0 if self._buffer is None else self._buffer.numel()
-
     def stage(self, sources: Sources) -> Sources:
         """Copy every source into the buffer; returns the units with their copies.
 

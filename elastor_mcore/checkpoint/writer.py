@@ -155,7 +155,7 @@ def commit(tmp: Path, path: Path, step: int, plan: WritePlan,
            on_commit: Callable[[], None] | None) -> None:
     """Coordinator, once every rank's data is durable: manifest, rename, ``on_commit``."""
     writers = len({u.writer for u in plan.units})
-    _commit(tmp, path, Manifest.build(step, plan.entries, writers, manifest_extra))
+    commit_dir(tmp, path, Manifest.build(step, plan.entries, writers, manifest_extra))
     if on_commit is not None:
         on_commit()
     log.info("committed %s (%d tensors, %d bytes)", path, len(plan.entries),
@@ -165,7 +165,8 @@ def commit(tmp: Path, path: Path, step: int, plan: WritePlan,
 def point_latest(root: Path, step: int, keep: int) -> None:
     """Move ``latest`` to the step just committed and prune beyond ``keep``."""
     write_durably(root / LATEST, step_dir_name(step) + "\n")
-    _prune(root, step, keep)
+    prune_oldest([(s, root / step_dir_name(s)) for s in committed_steps(root)], keep,
+                 root / step_dir_name(step))
 
 
 def remove_stale(root: str | os.PathLike, keep: str | None = None) -> None:
@@ -196,10 +197,17 @@ def _create_metadata(tmp: Path, entries: dict[str, TensorEntry]) -> None:
     open_arrays(tmp, entries, create=True)
 
 
-def _prepare(tmp: Path, plan: WritePlan, clean_root: bool) -> None:
-    """A fresh ``tmp`` with every array's metadata (for one-process writers)."""
-    open_tmp(tmp, clean_root)
-    _create_metadata(tmp, plan.entries)
+def begin_single(tmp: Path, entries: dict[str, TensorEntry]) -> None:
+    """A one-process writer's first step (converters hold one tensor at a time): a
+    fresh ``tmp`` holding every array's metadata, ready for ``write_whole``."""
+    open_tmp(tmp, clean_root=False)
+    _create_metadata(tmp, entries)
+
+
+def write_whole(tmp: Path, key: str, entry: TensorEntry, tensor: torch.Tensor) -> None:
+    """Write all of one tensor into the array ``key`` of ``tmp``."""
+    array = open_arrays(tmp, {key: entry}, create=False)[key]
+    array.write(numpy_view(tensor.detach().cpu().contiguous())).result()
 
 
 def _write_units(tmp: Path, entries: dict[str, TensorEntry], sources: Sources) -> None:
@@ -212,7 +220,9 @@ def _write_units(tmp: Path, entries: dict[str, TensorEntry], sources: Sources) -
     wait_all(futures, "write")
 
 
-def _commit(tmp: Path, path: Path, manifest: Manifest) -> None:
+def commit_dir(tmp: Path, path: Path, manifest: Manifest) -> None:
+    """Make a fully written ``tmp`` visible as ``path``: fsync every directory, write
+    the manifest last, rename into place (replacing any old ``path``)."""
     with ThreadPoolExecutor(IO_CONCURRENCY) as pool:  # concurrent fsyncs share journal commits
         list(pool.map(fsync_dir, (Path(d) for d, _, _ in os.walk(tmp))))
     write_durably(tmp / MANIFEST, manifest.to_json())
@@ -226,23 +236,25 @@ def _commit(tmp: Path, path: Path, manifest: Manifest) -> None:
         remove(replaced)
 
 
-def _prune(root: Path, just_saved: int, keep: int) -> None:
-    steps = committed_steps(root)
-    kept = set(steps[-keep:]) | {just_saved}
-    for step in steps:
-        if step not in kept:
-            name = step_dir_name(step)
-            doomed = root / tmp_name(name + ".deleting")
-            os.rename(root / name, doomed)  # atomic: never a half-deleted step_N
-            remove(doomed)
-            log.info("pruned %s", root / name)
+def prune_oldest(found: Sequence[tuple[int, Path]], keep: int, just_saved: Path) -> None:
+    """Delete all but the ``keep`` newest of ``found`` (step, directory), never
+    ``just_saved``. Each is first renamed to a ``.tmp_`` name (atomic), so a crash
+    leaves a whole step or a leftover ``remove_stale`` clears, never half a step."""
+    for _, entry in sorted(found)[:-keep]:
+        if entry.resolve() == just_saved.resolve():
+            continue
+        doomed = entry.parent / tmp_name(entry.name + ".deleting")
+        os.rename(entry, doomed)
+        remove(doomed)
+        log.info("pruned %s (keeping %d checkpoints)", entry, keep)
 
 
-def write_durably(path: Path, text: str) -> None:
-    """Write a small file so that it is either absent, or present and complete."""
+def write_durably(path: Path, data: str | bytes) -> None:
+    """Write a small file so that it is either absent, or present and complete, even
+    across a power loss (tmp, fsync, rename, fsync of the directory)."""
     tmp = path.parent / tmp_name(path.name)
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -3,8 +3,9 @@
 The collective writer (``checkpoint.write_checkpoint``) takes every shard at once;
 a converter holds one tensor at a time instead. This module plans the arrays up
 front from shapes alone, writes each tensor as it arrives, and commits through the
-checkpoint writer's own preparation and commit steps, so the result is an ordinary
-committed step (manifest last, atomic rename).
+checkpoint writer's one-process steps (``begin_single``, ``write_whole``,
+``commit_dir``), so the result is an ordinary committed step (manifest last, atomic
+rename).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from typing import Any, Callable
 
 import torch
 
-from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy, Manifest, WritePlan
+from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy, Manifest
 from elastor_mcore.checkpoint.format import choose_entry, tmp_name
-from elastor_mcore.checkpoint.store import numpy_view, open_arrays
-from elastor_mcore.checkpoint.writer import _commit, _prepare
+from elastor_mcore.checkpoint.writer import begin_single, commit_dir, write_whole
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class StreamingZarrWriter:
         self.written: set[str] = set()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         Manifest.build(step, {}, 1, manifest_extra).to_json()  # fail before any write
-        _prepare(self.tmp, WritePlan(self.entries, []), clean_root=False)
+        begin_single(self.tmp, self.entries)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         entry = self.entries.get(key)
@@ -57,8 +57,7 @@ class StreamingZarrWriter:
             raise CheckpointError(
                 f"tensor {key}: declared {entry.shape} {entry.dtype}, got "
                 f"{tuple(tensor.shape)} {dtype}")
-        array = open_arrays(self.tmp, {key: entry}, create=False)[key]
-        array.write(numpy_view(tensor.detach().cpu().contiguous())).result()
+        write_whole(self.tmp, key, entry, tensor)
         self.written.add(key)
 
     def commit(self) -> Path:
@@ -66,7 +65,7 @@ class StreamingZarrWriter:
         if missing:
             raise CheckpointError(f"{self.path}: tensors {missing[:5]} were declared but "
                                   f"never written ({len(missing)} in all)")
-        _commit(self.tmp, self.path, Manifest.build(self.step, self.entries, 1,
-                                                    self.manifest_extra))
+        commit_dir(self.tmp, self.path, Manifest.build(self.step, self.entries, 1,
+                                                       self.manifest_extra))
         log.info("committed %s (%d tensors)", self.path, len(self.entries))
         return self.path

@@ -88,12 +88,6 @@ class Layout:
                     return RankPosition(p, s, stage.ranks.index(rank))
         return None
 
-    def stage_of(self, rank: int) -> Stage:
-        pos = self.position(rank)
-        if pos is None:
-            raise KeyError(f"rank {rank} is idle in this layout")
-        return self.pipelines[pos.pipeline].stages[pos.stage]
-
     def layer_range(self, pipeline: int, stage: int) -> range:
         """Global layer numbers held by a stage."""
         stages = self.pipelines[pipeline].stages

@@ -1,6 +1,6 @@
 """Gradient reduction across pipelines whose TP splits differ, and the global norm.
 
-Semantics (DESIGN.md): the loss is the mean over every token of the global batch, so
+Semantics (``docs/architecture.md``): the loss is the mean over every token of the global batch, so
 each pipeline's gradient is a partial sum and the true gradient is their sum. We cut
 every global tensor into the cells of the common refinement of all ranks' shards
 (``geometry.common_refinement``). For a cell held in several pipelines, its holders
@@ -31,6 +31,16 @@ from elastor_mcore.parallel.shards import gather_shard_infos, owning_parameter, 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class GroupReduction:
+    """One all-reduce this rank issues every step, described for diagnostics
+    (``runtime/traffic.py``) without exposing the buffers behind it."""
+
+    holders: tuple[int, ...]    # the ranks of the group, sorted
+    nbytes: int                 # bytes this rank all-reduces in it
+    contributed_nbytes: int     # of those, bytes whose values this rank contributes
+
+
 @dataclass
 class _Piece:
     grad: torch.Tensor          # view of the cell in this rank's .grad
@@ -47,14 +57,10 @@ class _Bucket:
     def numel(self) -> int:
         return sum(p.grad.numel() for p in self.pieces)
 
-
-@dataclass(frozen=True)
-class ReductionStats:
-    """Per-step gradient traffic of this rank, for ``tools/comm_volume.py``."""
-
-    reduced_elements: int       # elements this rank all-reduces per step
-    buckets: int                # all-reduce calls per step
-    unique_elements: int        # elements of the cells it must reduce (no replicas)
+    def describe(self) -> GroupReduction:
+        return GroupReduction(
+            self.holders, sum(p.grad.nbytes for p in self.pieces),
+            sum(p.grad.nbytes for p in self.pieces if p.contributes))
 
 
 def reduction_plan(cells: list[Cell], pipeline_of: dict[int, int]):
@@ -77,7 +83,7 @@ class GradientSynchronizer:
         cells = common_refinement(gather_shard_infos(infos, world_group))
         pipeline_of = {r: layout.position(r).pipeline for r in layout.ranks}
         plan = reduction_plan(cells, pipeline_of)
-        self.buckets: list[_Bucket] = []
+        self._buckets: list[_Bucket] = []
         self._norm_views: list[torch.Tensor] = []
         if model is None:
             for holders in plan:
@@ -101,25 +107,22 @@ class GradientSynchronizer:
                                         if pipeline_of[h] == pipeline_of[rank])
                 pieces.append(_Piece(local_view(grad, info.box, cell.box),
                                      contributes=rank == first_in_pipeline))
-            self.buckets.append(_Bucket(holders, group, pieces))
+            self._buckets.append(_Bucket(holders, group, pieces))
         for cell in cells:
             if cell.holders[0] == rank:
                 grad, info = local[cell.key]
                 self._norm_views.append(local_view(grad, info.box, cell.box))
-        log.info("rank %d: %d reduction buckets, %d elements", rank, len(self.buckets),
-                 sum(b.numel for b in self.buckets))
+        log.info("rank %d: %d reduction buckets, %d elements", rank, len(self._buckets),
+                 sum(b.numel for b in self._buckets))
 
-    def stats(self) -> ReductionStats:
-        return ReductionStats(
-            reduced_elements=sum(b.numel for b in self.buckets),
-            buckets=len(self.buckets),
-            unique_elements=sum(p.grad.numel() for b in self.buckets for p in b.pieces
-                                if p.contributes))
+    def reductions(self) -> list[GroupReduction]:
+        """This rank's all-reduces of one step, in the order it issues them."""
+        return [bucket.describe() for bucket in self._buckets]
 
     @torch.no_grad()
     def reduce(self) -> None:
         """Sum gradients across pipelines (in place, in the global bucket order)."""
-        for bucket in self.buckets:
+        for bucket in self._buckets:
             flat = torch.cat([p.grad.reshape(-1) if p.contributes
                               else torch.zeros(p.grad.numel(), dtype=p.grad.dtype,
                                                device=p.grad.device)

@@ -38,8 +38,8 @@ class RankTraffic:
     grad_sent_min: float
 
 
-def _ring_bytes(numel: int, participants: int, itemsize: int) -> float:
-    return 2 * (participants - 1) / participants * numel * itemsize
+def _ring_bytes(nbytes: int, participants: int) -> float:
+    return 2 * (participants - 1) / participants * nbytes
 
 
 def measure(runner: StageRunner) -> RankTraffic:
@@ -52,14 +52,12 @@ def measure(runner: StageRunner) -> RankTraffic:
         activation *= n
     activation *= comm.dtype.itemsize
     neighbours = (not groups.is_first_stage) + (not groups.is_last_stage)
-    itemsize = comm.dtype.itemsize
     pipeline_of = {r: groups.layout.position(r).pipeline for r in groups.layout.ranks}
     grad_sent = grad_min = 0.0
-    for bucket in runner.grad_sync.buckets:
-        grad_sent += _ring_bytes(bucket.numel, len(bucket.holders), itemsize)
-        pipelines = len({pipeline_of[h] for h in bucket.holders})
-        grad_min += sum(_ring_bytes(p.grad.numel(), pipelines, itemsize)
-                        for p in bucket.pieces if p.contributes)
+    for reduction in runner.grad_sync.reductions():
+        grad_sent += _ring_bytes(reduction.nbytes, len(reduction.holders))
+        pipelines = len({pipeline_of[h] for h in reduction.holders})
+        grad_min += _ring_bytes(reduction.contributed_nbytes, pipelines)
     return RankTraffic(
         rank=groups.rank, where=f"P{pos.pipeline}.S{pos.stage}.tp{pos.tp_rank}",
         p2p_sent=comm.bytes_sent, p2p_received=comm.bytes_received,

@@ -1,0 +1,199 @@
+"""The import graph of ``elastor_mcore``, read with ``ast`` (nothing is imported).
+
+Packages are layered; a module may import its own package and any package below it,
+never one above. The order is the module table of ``docs/architecture.md``.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "elastor_mcore"
+
+LAYERS = [
+    "cli",
+    "elastic",
+    "integrations",
+    "convert",
+    "runtime",
+    "data",
+    "planner",
+    "checkpoint",
+    "parallel",
+    "geometry",
+    "config",
+    "compat",
+]
+"""Top to bottom: each entry may import only itself and the entries after it."""
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target as seen from ``path`` (line ``line``)."""
+
+    path: Path
+    line: int
+    module: str
+    names: tuple[str, ...]
+
+    def where(self) -> str:
+        names = f" ({', '.join(self.names)})" if self.names else ""
+        return f"{self.path.relative_to(ROOT)}:{self.line} imports {self.module}{names}"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((ROOT / PACKAGE).rglob("*.py"))}
+
+
+MODULES = modules()
+
+
+def resolve(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` names (relative imports resolved)."""
+    if not node.level:
+        return node.module or ""
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package.pop()
+    base = package[: len(package) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(path: Path) -> list[Import]:
+    """Every import in the file, at module level or inside functions alike."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [Import(path, node.lineno, a.name, ()) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = resolve(path, node)
+            found.append(Import(path, node.lineno, module, tuple(a.name for a in node.names)))
+    return found
+
+
+ALL_IMPORTS = {name: imports_of(path) for name, path in MODULES.items()}
+
+
+def layer_of(module: str) -> str | None:
+    """The layer of one of our modules (``None`` for the package root and others)."""
+    parts = module.split(".")
+    if parts[0] != PACKAGE or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def targets(imp: Import) -> list[str]:
+    """Our modules an import reaches: ``from pkg import mod`` reaches ``pkg.mod``."""
+    if imp.module.split(".")[0] != PACKAGE:
+        return []
+    reached = [imp.module]
+    reached += [f"{imp.module}.{n}" for n in imp.names if f"{imp.module}.{n}" in MODULES]
+    return reached
+
+
+def test_every_package_is_in_a_layer():
+    unknown = sorted({layer_of(m) for m in MODULES} - set(LAYERS) - {None})
+    assert not unknown, f"packages missing from LAYERS: {unknown}"
+
+
+def test_imports_flow_downward():
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    bad = []
+    for module, found in ALL_IMPORTS.items():
+        mine = layer_of(module)
+        for imp in found:
+            for target in targets(imp):
+                theirs = layer_of(target)
+                if mine is None:
+                    bad.append(f"{imp.where()}: the package root imports nothing of ours")
+                elif theirs is not None and rank[theirs] < rank[mine]:
+                    bad.append(f"{imp.where()}: {mine} may not import {theirs} (above it)")
+    assert not bad, "upward imports:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_no_private_names_of_other_modules():
+    bad = []
+    for module, found in ALL_IMPORTS.items():
+        for imp in found:
+            if imp.module.split(".")[0] != PACKAGE or imp.module == module:
+                continue
+            private = [n for n in imp.names if n.startswith("_") and not n.startswith("__")]
+            if any(part.startswith("_") and not part.startswith("__")
+                   for part in imp.module.split(".")):
+                private.append(imp.module)
+            if private:
+                bad.append(f"{imp.where()}: private {', '.join(private)}")
+    for module, path in MODULES.items():
+        bad += private_attributes(module, path)
+    assert not bad, "private names used across modules:\n" + "\n".join(sorted(bad))
+
+
+def private_attributes(module: str, path: Path) -> list[str]:
+    """``mod._name`` where ``mod`` is bound to another of our modules."""
+    tree = ast.parse(path.read_text(), str(path))
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith(PACKAGE + ".") and a.asname:
+                    bound[a.asname] = a.name
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve(path, node)
+            for a in node.names:
+                if f"{base}.{a.name}" in MODULES:
+                    bound[a.asname or a.name] = f"{base}.{a.name}"
+    bad = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and bound[node.value.id] != module
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            bad.append(f"{path.relative_to(ROOT)}:{node.lineno} uses "
+                       f"{bound[node.value.id]}.{node.attr}")
+    return bad
+
+
+def test_no_cycles_between_packages():
+    edges: dict[str, set[str]] = {layer: set() for layer in LAYERS}
+    why: dict[tuple[str, str], str] = {}
+    for module, found in ALL_IMPORTS.items():
+        mine = layer_of(module)
+        for imp in found:
+            for target in targets(imp):
+                theirs = layer_of(target)
+                if mine and theirs and theirs != mine:
+                    edges[mine].add(theirs)
+                    why.setdefault((mine, theirs), imp.where())
+    cycles = []
+    for start in LAYERS:
+        stack = [(start, [start])]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in sorted(edges[node]):
+                if nxt == start:
+                    cycles.append(" -> ".join(trail + [start]) + "\n  " + "\n  ".join(
+                        why[(a, b)] for a, b in zip(trail, trail[1:] + [start])))
+                elif nxt not in trail and nxt > start:
+                    stack.append((nxt, trail + [nxt]))
+    assert not cycles, "import cycles between packages:\n" + "\n".join(cycles)
+
+
+def test_elastic_never_imports_torch_distributed():
+    bad = []
+    for module, found in ALL_IMPORTS.items():
+        if layer_of(module) != "elastic":
+            continue
+        for imp in found:
+            if (imp.module == "torch.distributed" or imp.module.startswith("torch.distributed.")
+                    or (imp.module == "torch" and "distributed" in imp.names)):
+                bad.append(imp.where())
+    assert not bad, "elastic/ imports torch.distributed:\n" + "\n".join(bad)
