@@ -61,8 +61,9 @@ class WriteJob:
     coordinator: bool
     manifest_extra: dict[str, Any] | None
     on_commit: Callable[[], None] | None
-    timeout_s: float
-    """How long the coordinator waits for the other writers' markers."""
+    commit_timeout_s: Callable[[float], float]
+    """How long the coordinator waits for the other writers' markers, given the
+    seconds its own share took (``SavePolicy.commit_timeout_s``)."""
 
 
 class BackgroundSave:
@@ -103,7 +104,8 @@ class BackgroundSave:
             return
         try:
             others = sorted({u.writer for u in job.plan.units} - {job.rank})
-            _wait_for_markers(job.tmp, others, job.timeout_s)
+            own_s = time.perf_counter() - start
+            wait_for_markers(job.tmp, others, job.commit_timeout_s(own_s))
             for rank in others:
                 done_marker(job.tmp, rank).unlink()
             commit(job.tmp, job.path, job.step, job.plan, job.manifest_extra, job.on_commit)
@@ -132,7 +134,7 @@ def _mark_failed(tmp: Path, rank: int, exc: BaseException) -> None:
                   rank, marker, marker_error)
 
 
-def _wait_for_markers(tmp: Path, ranks: list[int], timeout_s: float) -> None:
+def wait_for_markers(tmp: Path, ranks: list[int], timeout_s: float) -> None:
     """Until every rank in ``ranks`` has written ``done.rank<N>``; raise at the first
     ``failed.rank<N>`` or when ``timeout_s`` passes."""
     pending = set(ranks)
@@ -152,7 +154,7 @@ def _wait_for_markers(tmp: Path, ranks: list[int], timeout_s: float) -> None:
             raise CheckpointError(
                 f"rank(s) {sorted(pending)} did not finish writing {tmp} within "
                 f"{timeout_s:.0f}s; the step is not committed. Check those ranks' logs, or "
-                f"raise the commit timeout for slow storage")
+                f"raise SavePolicy.commit_timeout_floor_s for slow storage")
         time.sleep(_POLL_S)
 
 

@@ -47,8 +47,12 @@ class SavePolicy:
     or log it and keep training. The previous committed step stays loadable."""
     keep: int = 2
     """Committed steps to keep."""
-    commit_timeout_s: float = 1800.0
-    """How long the coordinator waits for every writer's data before giving up."""
+    commit_timeout_floor_s: float = 300.0
+    commit_timeout_factor: float = 20.0
+    """How long the coordinator waits for the other writers' data once its own share
+    is written: ``factor`` times its own write time (writers get balanced shares), and
+    at least ``floor`` seconds. A writer that died never leaves its marker; this ends
+    the wait with an error instead of waiting forever."""
 
     def __post_init__(self) -> None:
         if self.when_busy not in ("wait", "skip"):
@@ -58,9 +62,13 @@ class SavePolicy:
             raise CheckpointError(f"SavePolicy.on_error must be 'stop' or 'continue', got "
                                   f"{self.on_error!r}")
         check_step(0, self.keep)
-        if self.commit_timeout_s <= 0:
-            raise CheckpointError(f"SavePolicy.commit_timeout_s must be positive, got "
-                                  f"{self.commit_timeout_s}")
+        if self.commit_timeout_floor_s <= 0 or self.commit_timeout_factor <= 0:
+            raise CheckpointError(
+                f"SavePolicy.commit_timeout_floor_s and commit_timeout_factor must be "
+                f"positive, got {self.commit_timeout_floor_s} and {self.commit_timeout_factor}")
+
+    def commit_timeout_s(self, own_write_s: float) -> float:
+        return max(self.commit_timeout_floor_s, self.commit_timeout_factor * own_write_s)
 
 
 @dataclass(frozen=True)
@@ -176,7 +184,7 @@ class CheckpointManager:
             step=step, tmp=self.root / tmp_name(f"{path.name}.{gathered[0].token}"),
             path=path, plan=plan, sources=staged, rank=rank, coordinator=coordinator,
             manifest_extra=manifest_extra, on_commit=lambda: point_latest(root, step, keep),
-            timeout_s=self.policy.commit_timeout_s))
+            commit_timeout_s=self.policy.commit_timeout_s))
 
     def _plan(self, infos: list[ShardInfo], digests: list[str]) -> WritePlan:
         """The write plan; rebuilt (one gather of shard boxes) only when some rank's

@@ -3,14 +3,28 @@
 We never reimplement rendezvous: torchrun (``torch.distributed.run``) in standalone
 mode picks a free port, starts ``nproc`` workers and tears them all down when one
 fails.
+
+Stopping is part of launching. Torchrun runs in a session of its own (so a
+terminal's Ctrl-C, which goes to the launcher's foreground process group, reaches
+only the launcher) and starts each worker in a session of its own; so the launcher
+forwards SIGINT and SIGTERM to torchrun, which stops its workers, and every link of
+the chain gets a parent-death signal (``compat.process``): if the launcher is
+SIGKILLed, torchrun gets SIGTERM and stops the workers; if torchrun is SIGKILLed,
+the workers get SIGKILL (``runtime.worker`` arms that).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
+
+from elastor_mcore.compat.process import parent_death_preexec
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def torchrun_command(nproc: int, module: str, args: Sequence[str] = ()) -> list[str]:
@@ -29,10 +43,60 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def start_torchrun(nproc: int, module: str, args: Sequence[str] = (), *,
+                   env: dict[str, str] | None = None, **popen_kwargs) -> subprocess.Popen:
+    """Start a torchrun world in its own session; it gets SIGTERM if we die."""
+    return subprocess.Popen(
+        torchrun_command(nproc, module, args), env=worker_env(env), start_new_session=True,
+        preexec_fn=parent_death_preexec(signal.SIGTERM), **popen_kwargs)
+
+
+@contextlib.contextmanager
+def forwarding_stop_signals(proc: subprocess.Popen) -> Iterator[list[int]]:
+    """While inside, SIGINT/SIGTERM sent to this process go to ``proc``'s process
+    group (torchrun stops its workers on either); yields the signals received, in
+    order. Only the main thread can install handlers: elsewhere nothing is forwarded."""
+    received: list[int] = []
+
+    def forward(signum, _frame) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    try:
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    except ValueError:  # not the main thread
+        previous = {}
+    try:
+        yield received
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun's process group; its workers follow by their parent-death
+    signal."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def run_torchrun(nproc: int, module: str, args: Sequence[str] = (), *,
                  timeout: float | None = None, capture: bool = False,
                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run a torchrun world to completion; ``timeout`` kills the whole world."""
-    return subprocess.run(
-        torchrun_command(nproc, module, args), env=worker_env(env), timeout=timeout,
-        capture_output=capture, text=True, start_new_session=True)
+    """Run a torchrun world to completion; ``timeout`` kills the whole world.
+
+    A SIGINT or SIGTERM to this process stops the world the same way and is reported
+    as the return code a shell gives (128 + the signal: 130, 143).
+    """
+    pipe = subprocess.PIPE if capture else None
+    proc = start_torchrun(nproc, module, args, env=env, stdout=pipe, stderr=pipe, text=True)
+    with forwarding_stop_signals(proc) as received:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except BaseException:  # the timeout, or an error of ours: leave nothing behind
+            kill_job(proc)
+            raise
+    code = 128 + received[0] if received else proc.returncode
+    return subprocess.CompletedProcess(proc.args, code, stdout, stderr)

@@ -1,0 +1,45 @@
+"""Tie a process's life to its parent's (Linux ``prctl(PR_SET_PDEATHSIG)``).
+
+A job is a chain of processes: the launcher (``elastor train``/``launch``), torchrun,
+the ranks. If a link is SIGKILLed, nothing runs that could stop the processes below
+it, and they would go on training (and saving) unseen. With a parent-death signal
+the kernel sends that signal to the child the moment its parent dies. Elsewhere than
+Linux this is a no-op (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies; exit at once
+    if the parent is already gone (it may have died before the call)."""
+    parent = os.getppid()
+    if not sys.platform.startswith("linux"):
+        log.info("no parent-death signal on %s; the process outlives a killed parent",
+                 sys.platform)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+        return
+    if os.getppid() != parent:
+        os._exit(128 + int(sig))
+
+
+def parent_death_preexec(sig: int = signal.SIGTERM):
+    """A ``preexec_fn`` for ``subprocess.Popen``: the child gets ``sig`` when the
+    process that started it dies."""
+    def preexec() -> None:
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    return preexec
