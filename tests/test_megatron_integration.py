@@ -257,7 +257,7 @@ def test_add_elastor_args_and_options(tmp_path):
 def test_adapt_args_rewrites_the_rank_to_its_stage():
     from elastor_mcore.parallel.groups import RankGroups
     from elastor_mcore.parallel.layout import RankPosition, layout_from_dict
-    from elastor_mcore.integrations.megatron_lm.args import adapt_args, megatron_can_train
+    from elastor_mcore.integrations.megatron_lm.args import adapt_args
 
     layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
         {"tp": 2, "layers": 5}, {"tp": 1, "layers": 3}]}]})
@@ -269,9 +269,10 @@ def test_adapt_args_rewrites_the_rank_to_its_stage():
     assert args.pipeline_model_parallel_layout == [
         ["embedding"] + ["decoder"] * 5, ["decoder"] * 3 + ["loss"]]
     assert args.padded_vocab_size == 512
-    assert not megatron_can_train(layout)
-    assert megatron_can_train(layout_from_dict({"pipelines": [
-        {"micro_batches": 8, "stages": [{"tp": 2, "layers": 5}, {"tp": 2, "layers": 3}]}] * 2}))
+    assert not layout.is_uniform
+    uniform = layout_from_dict({"pipelines": [
+        {"micro_batches": 8, "stages": [{"tp": 2, "layers": 5}, {"tp": 2, "layers": 3}]}] * 2})
+    assert uniform.is_uniform
 
 
 def test_hooks_route_by_marker_and_restore(tmp_path):

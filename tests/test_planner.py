@@ -15,7 +15,7 @@ from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.planner import (CostModel, HardwareError, PlannerError, hardware_from_dict,
                                    layout_cost, load_hardware, plan)
 from elastor_mcore.planner.baselines import best_uniform
-from elastor_mcore.planner.cost_model import GIB
+from elastor_mcore.planner.cost_model import GIB, pipeline_time_s
 from elastor_mcore.config.recipe import load_recipe
 from tests.test_planner_optimality import THIRDS, TIGHT  # six heads: TP 1, 2, 3 or 6
 
@@ -91,7 +91,7 @@ def test_communication_volumes():
 
 
 def test_pipeline_time_has_the_1f1b_bubble():
-    assert CostModel.pipeline_time_s(micro_batches=8, num_stages=4, bottleneck_s=1.0) == 11.0
+    assert pipeline_time_s(micro_batches=8, num_stages=4, bottleneck_s=1.0) == 11.0
 
 
 def test_measured_table_replaces_the_layer_time():

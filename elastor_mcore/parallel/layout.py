@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import yaml
 
@@ -107,10 +107,11 @@ class Layout:
 
     @property
     def is_uniform(self) -> bool:
-        """True when every stage of every pipeline agrees (a Megatron-style layout)."""
+        """True for a layout stock Megatron can train: identical pipelines with one TP
+        degree throughout (uneven layers per stage are fine)."""
         first = self.pipelines[0]
         shape = [(s.tp, s.layers) for s in first.stages]
-        return all(
+        return len({s.tp for s in first.stages}) == 1 and all(
             [(s.tp, s.layers) for s in p.stages] == shape and p.micro_batches == first.micro_batches
             for p in self.pipelines)
 
@@ -219,6 +220,15 @@ def layout_from_dict(data: Any) -> Layout:
             built.append(Stage(tp=tp, layers=layers, ranks=ranks))
         pipelines.append(Pipeline(micro_batches=mb, stages=tuple(built)))
     return Layout(pipelines=tuple(pipelines))
+
+
+def mcore_pipeline_layout(stage_layers: Sequence[int]) -> list[list[str]]:
+    """mcore's ``pipeline_model_parallel_layout`` for a pipeline with these layers per
+    stage: the embedding on the first stage, the loss on the last."""
+    stages = [["decoder"] * n for n in stage_layers]
+    stages[0].insert(0, "embedding")
+    stages[-1].append("loss")
+    return stages
 
 
 _SHORTHAND = re.compile(r"^dp(\d+)-tp(\d+)-pp(\d+)$")

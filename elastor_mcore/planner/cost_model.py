@@ -79,6 +79,11 @@ class StageCost:
         return self.compute_s + self.tp_comm_s + self.p2p_s
 
 
+def pipeline_time_s(micro_batches: int, num_stages: int, bottleneck_s: float) -> float:
+    """1F1B: fill and drain cost ``stages - 1`` slots of the slowest stage."""
+    return (micro_batches + num_stages - 1) * bottleneck_s
+
+
 @dataclass(frozen=True)
 class PipelineCost:
     micro_batches: int
@@ -90,7 +95,7 @@ class PipelineCost:
 
     @property
     def time_s(self) -> float:
-        return (self.micro_batches + len(self.stages) - 1) * self.bottleneck_s
+        return pipeline_time_s(self.micro_batches, len(self.stages), self.bottleneck_s)
 
 
 @dataclass(frozen=True)
@@ -223,11 +228,6 @@ class CostModel:
         nbytes = GRAD_BYTES * self.total_params / min_pipeline_gpus
         d = num_pipelines
         return 2 * (d - 1) / d * nbytes / (bw * 1e9) + 2 * (d - 1) * lat * 1e-6
-
-    @staticmethod
-    def pipeline_time_s(micro_batches: int, num_stages: int, bottleneck_s: float) -> float:
-        """1F1B: fill and drain cost ``stages - 1`` slots of the slowest stage."""
-        return (micro_batches + num_stages - 1) * bottleneck_s
 
     # ----- memory -----------------------------------------------------------------------
     def _layer_activation_bytes(self, tp: int) -> float:

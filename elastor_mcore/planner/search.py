@@ -57,7 +57,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from elastor_mcore.planner.cost_model import CostModel
+from elastor_mcore.planner.cost_model import CostModel, pipeline_time_s
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,10 @@ class PipelineShape:
     @property
     def num_stages(self) -> int:
         return len(self.tps)
+
+    def time_s(self, micro_batches: int) -> float:
+        """Its 1F1B time for ``micro_batches``."""
+        return pipeline_time_s(micro_batches, self.num_stages, self.bottleneck_s)
 
     @property
     def gpus(self) -> int:
@@ -260,7 +264,7 @@ def balance_micro_batches(shapes: list[tuple[PipelineShape, int]], total: int
         return math.floor(t / shape.bottleneck_s * (1 + 1e-12)) - shape.num_stages + 1
 
     rate = sum(c / s.bottleneck_s for s, c in shapes)
-    floor_t = max((2 * s.num_stages - 1) * s.bottleneck_s for s, _ in shapes)
+    floor_t = max(s.time_s(s.num_stages) for s, _ in shapes)
     lo = max(floor_t, (total + sum(c * (s.num_stages - 1) for s, c in shapes)) / rate)
     hi = max(floor_t, (total + sum(c * s.num_stages for s, c in shapes)) / rate)
     candidates = sorted({k * s.bottleneck_s for s, _ in shapes
@@ -278,7 +282,7 @@ def balance_micro_batches(shapes: list[tuple[PipelineShape, int]], total: int
     t_star = candidates[lo_i]
     micro = [[capacity(t_star, s)] * c for s, c in shapes]
     surplus = sum(map(sum, micro)) - total
-    heap = [(-(m + s.num_stages - 1) * s.bottleneck_s, i, k)
+    heap = [(-s.time_s(m), i, k)
             for i, (s, c) in enumerate(shapes) for k, m in enumerate(micro[i])]
     heapq.heapify(heap)
     while surplus > 0:
@@ -287,10 +291,8 @@ def balance_micro_batches(shapes: list[tuple[PipelineShape, int]], total: int
         if micro[i][k] > shape.num_stages:
             micro[i][k] -= 1
             surplus -= 1
-            heapq.heappush(heap, (-(micro[i][k] + shape.num_stages - 1) * shape.bottleneck_s,
-                                  i, k))
-    time_s = max((m + s.num_stages - 1) * s.bottleneck_s
-                 for (s, _), ms in zip(shapes, micro) for m in ms)
+            heapq.heappush(heap, (-shape.time_s(micro[i][k]), i, k))
+    time_s = max(s.time_s(m) for (s, _), ms in zip(shapes, micro) for m in ms)
     return time_s, micro
 
 
@@ -362,7 +364,7 @@ class PoolSearch:
             if beaten(lower_bound(rate, bubble, pipes, min_gpus, left_rate)):
                 return
             if pipes:
-                floor_t = max((2 * s.num_stages - 1) * s.bottleneck_s for s, _ in fixed + chosen)
+                floor_t = max(s.time_s(s.num_stages) for s, _ in fixed + chosen)
                 if not beaten(max(floor_t, (total + bubble) / rate)
                               + cost.grad_sync_s(pipes, int(min_gpus), intra)):
                     candidate = self.evaluate(fixed + chosen, partitions)

@@ -16,6 +16,7 @@ import math
 import torch
 
 from elastor_mcore.parallel.groups import RankGroups
+from elastor_mcore.parallel.layout import mcore_pipeline_layout
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.parallel.shards import sharded_tensors
 
@@ -28,11 +29,7 @@ def transformer_config(recipe: Recipe, tp: int, stage_layers: list[int]):
 
     model = recipe.model
     dtype = DTYPES[recipe.training.params_dtype]
-    pipeline_layout = None
-    if len(stage_layers) > 1:
-        pipeline_layout = [["decoder"] * n for n in stage_layers]
-        pipeline_layout[0].insert(0, "embedding")
-        pipeline_layout[-1].append("loss")
+    pipeline_layout = mcore_pipeline_layout(stage_layers) if len(stage_layers) > 1 else None
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,

@@ -19,7 +19,7 @@ from typing import Callable
 from elastor_mcore.integrations.megatron_lm import hooks
 from elastor_mcore.checkpoint import ChunkPolicy
 from elastor_mcore.parallel.groups import RankGroups
-from elastor_mcore.parallel.layout import Layout, load_layout
+from elastor_mcore.parallel.layout import load_layout, mcore_pipeline_layout
 from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
 from elastor_mcore.integrations.megatron_lm.hooks import CKPT_FORMATS, ElastorOptions
 from elastor_mcore.config.recipe import ModelConfig, Recipe, TrainingConfig
@@ -104,16 +104,6 @@ def options_from_args(args: argparse.Namespace) -> ElastorOptions:
                               keep=args.elastor_ckpt_keep, manifest_extra=extra))
 
 
-def megatron_can_train(layout: Layout) -> bool:
-    """Megatron-LM's own schedule and data-parallel reduction assume identical
-    pipelines with one TP degree throughout (uneven layers per stage are fine)."""
-    first = layout.pipelines[0]
-    shape = [(s.tp, s.layers) for s in first.stages]
-    return len({s.tp for s in first.stages}) == 1 and all(
-        [(s.tp, s.layers) for s in p.stages] == shape and p.micro_batches == first.micro_batches
-        for p in layout.pipelines)
-
-
 def adapt_args(args: argparse.Namespace, groups: RankGroups | None) -> None:
     """Rewrite this rank's Megatron arguments to its own stage of the layout."""
     if groups is None:
@@ -126,7 +116,7 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None) -> None:
         raise ValueError("--elastor-layout does not support virtual pipeline stages; drop "
                          "--num-layers-per-virtual-pipeline-stage / "
                          "--virtual-pipeline-model-parallel-size")
-    if not megatron_can_train(layout):
+    if not layout.is_uniform:
         log.warning("layout %s varies TP or pipelines: Megatron-LM's own schedule and "
                     "gradient reduction cannot train it (models build and checkpoints "
                     "save/load); train it with `elastor train`", layout.describe())
@@ -144,10 +134,7 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None) -> None:
             args.micro_batch_size, args.data_parallel_size,
             getattr(args, "decrease_batch_size_if_needed", False))
     if len(set(stage_layers)) > 1:
-        stages = [["decoder"] * n for n in stage_layers]
-        stages[0].insert(0, "embedding")
-        stages[-1].append("loss")
-        args.pipeline_model_parallel_layout = stages
+        args.pipeline_model_parallel_layout = mcore_pipeline_layout(stage_layers)
         args.decoder_first_pipeline_num_layers = None
         args.decoder_last_pipeline_num_layers = None
     args.padded_vocab_size = recipe_from_args(args).model.padded_vocab_size
