@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DataSummary:
-    """What ``prepare_data`` found; for logs and the checkpoint manifest."""
+    """What ``prepare_data`` found, for logs."""
 
     kind: str
     documents: int = 0
@@ -45,8 +45,8 @@ class DataSummary:
     samples_per_epoch: int = 0
     fingerprint: str = "synthetic"
     """Identifies the sample stream (documents' token counts, tokenizer, shuffle), not
-    where the files are: record it with a checkpoint and compare it on resume to catch a
-    changed corpus. A JSONL corpus and the indexed dataset built from it agree."""
+    where the files are; a JSONL corpus and the indexed dataset built from it agree.
+    Checkpoints do not record it yet, so a resume does not notice a changed corpus."""
     index_path: str | None = None
     index_built: bool = False
     seconds: float = 0.0

@@ -1,15 +1,17 @@
 """Automatic recovery: a supervisor around torchrun that re-plans on the survivors.
 
-Modules, one concern each (none imports torch.distributed; the supervisor side runs
-without a process group):
+Processes only: no module here imports torch.distributed (``tests/test_architecture.py``
+checks it), so the supervisor runs without a process group. Modules, one concern each:
 
-- ``failures``: the failure plan (which slot fails at which step, how) and injection.
-- ``heartbeat``: per-rank heartbeat files, written by ranks, read by the supervisor.
-- ``events``: the per-launch event log ranks append to (load, first step, failure).
-- ``rank_hooks``: the ``train.RankHooks`` the worker runs under ``elastor launch``,
-  and the worker flags that carry them.
+- ``torchrun``: start and stop torchrun worlds (every CLI, tool and test launches so).
+- ``heartbeat``: read the per-rank heartbeat files; the hang policy.
+- ``events``: read the per-launch event log ranks append to (load, first step, failure).
 - ``probe``: which devices are still alive after a failure.
 - ``supervisor``: plan, launch, watch, stop, probe, re-plan, relaunch; give up.
 - ``timeline``: per-failure recovery phases from supervisor records and rank events.
 - ``report``: the demo's ``report.md``, ``loss.png`` and ``timeline.json``.
+
+The rank side of the file protocol (writing heartbeats and events, injecting planned
+failures) is ``runtime/rank_hooks.py``; the failure plan itself is
+``config/failure_plan.py``.
 """

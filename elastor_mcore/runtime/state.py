@@ -11,7 +11,6 @@ optimizer's hyper-parameters and step count, and the RNG state.
 from __future__ import annotations
 
 import base64
-import io
 import logging
 from dataclasses import asdict
 from pathlib import Path
@@ -61,13 +60,13 @@ def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int:
 
 
 def _encode_rng() -> str:
-    buffer = io.BytesIO()
-    torch.save(torch.get_rng_state(), buffer)
-    return base64.b64encode(buffer.getvalue()).decode()
+    """The CPU generator's state (a uint8 tensor) as base64 of its raw bytes: the
+    manifest stays plain JSON, never a pickle."""
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
 
 
 def _decode_rng(text: str) -> torch.Tensor:
-    return torch.load(io.BytesIO(base64.b64decode(text)))
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
 def manifest_fields(recipe: Recipe, layout: Layout, step: int, seed: int,
