@@ -18,7 +18,7 @@ setup(
         "matplotlib",  # elastor demo's loss.png
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "six"],  # six: megatron.training (Megatron-LM tests)
         "te": ["transformer-engine[pytorch]"],
         "hf": ["transformers", "safetensors"],
         "plot": ["matplotlib"],

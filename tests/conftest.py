@@ -11,6 +11,9 @@ from elastor_mcore.elastic.torchrun import run_torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-llama.yaml"
+THIRD_PARTY = REPO.parent / "shared" / "third_party"
+"""Unmodified Megatron-LM archives (see its README.md); absent outside this workspace."""
+MEGATRON_LM_ENV = "MEGATRON_LM_DIR"
 
 
 def run_world(nproc: int, module: str, args: list[str], timeout: float = 240):
@@ -52,3 +55,18 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="session")
 def tiny_recipe_path() -> Path:
     return TINY
+
+
+@pytest.fixture(scope="session")
+def megatron_lm_dir() -> Path:
+    """The Megatron-LM checkout named by $MEGATRON_LM_DIR (of the installed megatron-core's
+    release; ``.ci/run`` extracts one); the test is skipped without one."""
+    value = os.environ.get(MEGATRON_LM_ENV)
+    if not value:
+        pytest.skip(f"needs a Megatron-LM checkout: set {MEGATRON_LM_ENV} (.ci/run extracts "
+                    f"one from {THIRD_PARTY})")
+    path = Path(value).resolve()
+    for need in ("pretrain_gpt.py", "megatron/training/checkpointing.py"):
+        if not (path / need).is_file():
+            pytest.fail(f"{MEGATRON_LM_ENV}={value} is not a Megatron-LM checkout: no {need}")
+    return path

@@ -7,11 +7,16 @@ needs process groups; the rest runs in the test process.
 from __future__ import annotations
 
 import argparse
+import ast
+import difflib
+import importlib
+import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
-import types
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -20,7 +25,7 @@ import torch
 from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.convert import hf_llama
 from elastor_mcore.config.recipe import load_recipe
-from tests.conftest import REPO, TINY, run_world
+from tests.conftest import REPO, THIRD_PARTY, TINY, run_world
 
 try:  # the "hf" extra
     import transformers
@@ -340,62 +345,149 @@ def test_recipe_builds_transformer_config(name):
 # ----------------------------------------------------------------- patches
 
 
-def _patch_sides(patch: Path) -> tuple[str, str]:
-    """The text a patch expects (context and removed lines) and the text it leaves."""
-    before, after, in_hunk = [], [], False
+PATCH_FOR_RELEASE = {  # Megatron-LM archive in ../shared/third_party -> the patch for it
+    "v0.16.1": "megatron-lm-core_v0.16.1-pretrain_gpt.patch",
+    "v0.19.0": "megatron-lm-core_r0.19.0-pretrain_gpt.patch",
+}
+
+
+def _patch_lines(patch: Path) -> tuple[list[str], list[str]]:
+    """The lines a patch removes and the lines it adds, in order."""
+    removed, added, in_hunk = [], [], False
     for line in patch.read_text().splitlines(keepends=True):
         if line.startswith("@@"):
             in_hunk = True
-        elif in_hunk and line[:1] in (" ", "-", "+"):
-            if line[0] != "+":
-                before.append(line[1:])
-            if line[0] != "-":
-                after.append(line[1:])
-    return "".join(before), "".join(after)
+        elif in_hunk and line[:1] == "-":
+            removed.append(line[1:])
+        elif in_hunk and line[:1] == "+":
+            added.append(line[1:])
+    return removed, added
 
 
-@pytest.mark.parametrize("patch", sorted((REPO / "patches").glob("*.patch")),
-                         ids=lambda p: p.name)
-def test_apply_script_dry_runs_applies_the_fitting_patch_once(patch, tmp_path):
+def _real_pretrain_gpt(release: str, into: Path) -> Path:
+    """pretrain_gpt.py of the unmodified Megatron-LM archive of ``release``."""
+    archive = THIRD_PARTY / f"megatron-lm-core_{release}.tar.gz"
+    if not archive.is_file():
+        pytest.skip(f"needs {archive} (an unmodified Megatron-LM {release} archive)")
+    with tarfile.open(archive) as tar:
+        member = tar.getmember(f"megatron-lm-core_{release}/pretrain_gpt.py")
+        into.mkdir(parents=True, exist_ok=True)
+        (into / "pretrain_gpt.py").write_bytes(tar.extractfile(member).read())
+    return into / "pretrain_gpt.py"
+
+
+def test_every_patch_is_tested_against_a_real_release():
+    assert sorted(PATCH_FOR_RELEASE.values()) == sorted(
+        p.name for p in (REPO / "patches").glob("*.patch"))
+
+
+@pytest.mark.parametrize("release", sorted(PATCH_FOR_RELEASE))
+def test_apply_script_patches_the_real_pretrain_gpt_once(release, tmp_path):
     script = REPO / "tools" / "apply_megatron_patch.sh"
+    patch = REPO / "patches" / PATCH_FOR_RELEASE[release]
     assert "Applies to: NVIDIA/Megatron-LM " in patch.read_text()
-    before, after = _patch_sides(patch)
-    target = tmp_path / "pretrain_gpt.py"
-    target.write_text(before)
-    result = subprocess.run([str(script), str(tmp_path)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert f"dry run OK: {patch.name}" in result.stdout
-    assert target.read_text() == after
-    again = subprocess.run([str(script), str(tmp_path)], capture_output=True, text=True)
+    target = _real_pretrain_gpt(release, tmp_path / "megatron-lm")
+    original = target.read_text()
+
+    result = subprocess.run([str(script), str(target.parent)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    tried = sorted(p.name for p in (REPO / "patches").glob("*.patch"))
+    for other in tried[:tried.index(patch.name)]:   # tried first, each by a dry run
+        assert f"does not fit: {other}" in result.stdout, result.stdout
+    assert f"dry run OK: {patch.name}" in result.stdout, result.stdout
+    patched = target.read_text()
+
+    # The change is exactly the patch's lines, found by diffing (not by the patch tool).
+    before, after = original.splitlines(keepends=True), patched.splitlines(keepends=True)
+    removed, added = [], []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+            None, before, after, autojunk=False).get_opcodes():
+        if tag != "equal":
+            removed += before[i1:i2]
+            added += after[j1:j2]
+    assert (removed, added) == _patch_lines(patch)
+    tree = ast.parse(patched)
+    imported = [(node.module, alias.name) for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module
+                and node.module.startswith("elastor_mcore") for alias in node.names]
+    assert len(imported) == 2, imported
+    for module, name in imported:   # the names the patched script imports exist
+        assert callable(getattr(importlib.import_module(module), name)), (module, name)
+
+    again = subprocess.run([str(script), str(target.parent)], capture_output=True, text=True)
     assert again.returncode == 0 and "nothing to do" in again.stdout
+    assert target.read_text() == patched
     target.write_text("print('not Megatron-LM')\n")
-    refused = subprocess.run([str(script), str(tmp_path)], capture_output=True, text=True)
-    assert refused.returncode == 1 and target.read_text() == "print('not Megatron-LM')\n"
+    refused = subprocess.run([str(script), str(target.parent)], capture_output=True, text=True)
+    assert refused.returncode == 1 and "no patch" in refused.stderr
+    assert target.read_text() == "print('not Megatron-LM')\n"
 
 
-def test_hooks_patch_the_names_megatron_training_imported(monkeypatch):
-    """megatron.training is not in the 0.16 wheel: stand in for its checkpointing module."""
-    from elastor_mcore.integrations.megatron_lm import hooks
-    from elastor_mcore.parallel.layout import layout_from_dict
+# The real megatron.training.checkpointing, imported in a fresh interpreter with the
+# Megatron-LM checkout first on sys.path: check that the hooks patch the names it
+# imported by value, that the patched ones route by the checkpoint's marker, and that
+# uninstall puts the very same originals back.
+HOOKS_IN_MEGATRON_TRAINING = r"""
+import argparse, json, sys
+sys.path.insert(0, sys.argv[1])
+import megatron.training.checkpointing as ckpt
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from elastor_mcore.integrations.megatron_lm import hooks
+from elastor_mcore.parallel.layout import layout_from_dict
 
-    training = types.ModuleType("megatron.training")
-    checkpointing = types.ModuleType("megatron.training.checkpointing")
-    checkpointing.get_default_load_sharded_strategy = lambda path: "torch_dist strategy"
-    checkpointing._build_sharded_state_dict_metadata = lambda args: {
-        "singleton_local_shards": False}
-    training.checkpointing = checkpointing
-    monkeypatch.setitem(sys.modules, "megatron.training", training)
-    monkeypatch.setitem(sys.modules, "megatron.training.checkpointing", checkpointing)
-    layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
-        {"tp": 2, "layers": 8}]}]})
-    hooks.install(hooks.ElastorOptions(layout=layout, ckpt_format="zarr"))
-    try:
-        assert checkpointing._build_sharded_state_dict_metadata(None) == {
-            "singleton_local_shards": True}
-        assert checkpointing.get_default_load_sharded_strategy("/nonexistent") == \
-            "torch_dist strategy"
-    finally:
-        hooks.uninstall()
-    assert checkpointing.get_default_load_sharded_strategy("/x") == "torch_dist strategy"
-    assert checkpointing._build_sharded_state_dict_metadata(None) == {
-        "singleton_local_shards": False}
+zarr_dir, torch_dist_dir = sys.argv[2], sys.argv[3]
+names = ("get_default_load_sharded_strategy", "_build_sharded_state_dict_metadata")
+originals = {name: getattr(ckpt, name) for name in names}
+args = argparse.Namespace(use_distributed_optimizer=False, ckpt_format="torch_dist")
+group = object()    # dp_cp_group given: the real function then needs no process group
+out = {"file": ckpt.__file__,
+       "before": ckpt._build_sharded_state_dict_metadata(args, group)["singleton_local_shards"]}
+layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
+    {"tp": 2, "layers": 8}]}]})
+hooks.install(hooks.ElastorOptions(layout=layout, ckpt_format="zarr"))
+try:
+    out["patched"] = [getattr(ckpt, name) is not originals[name] for name in names]
+    out["during"] = ckpt._build_sharded_state_dict_metadata(args, group)["singleton_local_shards"]
+    out["zarr"] = isinstance(ckpt.get_default_load_sharded_strategy(zarr_dir),
+                             hooks.ZarrLoadStrategy)
+    out["torch_dist"] = isinstance(ckpt.get_default_load_sharded_strategy(torch_dist_dir),
+                                   TorchDistLoadShardedStrategy)
+finally:
+    hooks.uninstall()
+out["restored"] = [getattr(ckpt, name) is originals[name] for name in names]
+out["after"] = ckpt._build_sharded_state_dict_metadata(args, group)["singleton_local_shards"]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_hooks_patch_the_names_megatron_training_imported(megatron_lm_dir, tmp_path):
+    """On CPU, importing megatron.training needs ``six`` (its BERT tokenizer) and ``triton``
+    (megatron/training/initialize.py imports megatron.core's batch-invariant Triton
+    kernels); both come with CUDA torch, neither with the CPU wheel. Importing it does
+    no CUDA call."""
+    for module, why in (("six", "megatron/training/tokenizer/bert_tokenization.py imports it"),
+                        ("triton", "megatron/training/initialize.py imports megatron.core."
+                         "transformer.custom_layers.batch_invariant_kernels, which imports "
+                         "triton (a dependency of CUDA torch, not of the CPU wheel)")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"importing the real megatron.training needs {module}: {why}")
+    zarr_dir = tmp_path / "iter_0000001"
+    zarr_dir.mkdir()
+    megatron_dir.write_config(zarr_dir)
+    torch_dist_dir = tmp_path / "torch_dist"
+    torch_dist_dir.mkdir()
+    (torch_dist_dir / "metadata.json").write_text(json.dumps(
+        {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+         "common_backend": "torch", "common_backend_version": 1}))
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", HOOKS_IN_MEGATRON_TRAINING, str(megatron_lm_dir),
+         str(zarr_dir), str(torch_dist_dir)],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(out["file"]).resolve() == megatron_lm_dir / "megatron/training/checkpointing.py"
+    assert out["patched"] == [True, True] and out["restored"] == [True, True]
+    assert (out["before"], out["during"], out["after"]) == (False, True, False)
+    assert out["zarr"] and out["torch_dist"]
