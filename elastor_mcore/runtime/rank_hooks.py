@@ -87,7 +87,7 @@ def inject(failure: Failure) -> None:
 
 class RankHooks:
     """Called on every active rank (``on_step`` runs on the reporting rank only): the
-    elastic supervisor's heartbeats and injected failures (``elastic.rank_hooks``).
+    elastic supervisor's heartbeats and injected failures (``ElasticHooks`` below).
     Steps are 1-based, as printed. The base class does nothing."""
 
     def ready(self, start_step: int, load_s: float) -> None:

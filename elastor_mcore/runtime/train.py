@@ -8,6 +8,7 @@ gradients across pipelines, clip by the global norm, AdamW.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -72,8 +73,10 @@ class RunConfig:
 
 
 def device_for_rank() -> torch.device:
+    """This rank's device, decided here only: CUDA device ``LOCAL_RANK`` where CUDA
+    is available (torchrun starts one rank per device), else the CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 

@@ -24,7 +24,7 @@ from elastor_mcore.data.config import DataConfig
 from elastor_mcore.runtime import rank_hooks
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.config.recipe import load_recipe
-from elastor_mcore.runtime.train import RunConfig, StepMetrics, train
+from elastor_mcore.runtime.train import RunConfig, StepMetrics, device_for_rank, train
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,8 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def init_distributed() -> None:
     """NCCL on CUDA (one device per local rank), gloo on CPU with mcore's CPU shims."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = device_for_rank()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
         dist.init_process_group("nccl")
     else:
         cpu.apply()
