@@ -13,7 +13,11 @@ pipeline ``p``:
 * ``dp``: the exact replicas of its shard (same layers, TP degree and TP rank in the
   other pipelines). For uniform layouts this is Megatron's data-parallel group.
 * ``pipeline``: every rank of its pipeline (mcore's model-parallel group).
+* ``tp_dp``: the stages of all its replicas (mcore's tensor-and-data-parallel group).
 * ``active``: every rank the layout uses (loss and gradient-norm reductions).
+
+``install`` gives every ``parallel_state`` global of the installed Megatron-Core one of
+these (``elastor_mcore.compat.mcore`` decides which, per version).
 
 Groups with the same members are created once and shared.
 """
@@ -61,6 +65,8 @@ class RankGroups:
     dp_ranks: list[int]
     pipeline: dist.ProcessGroup
     pipeline_ranks: list[int]
+    tp_dp: dist.ProcessGroup
+    tp_dp_ranks: list[int]
     active: dist.ProcessGroup
     singleton: dist.ProcessGroup
 
@@ -99,6 +105,15 @@ def replica_ranks(layout: Layout, rank: int) -> list[int]:
     return sorted(out)
 
 
+def tensor_and_data_ranks(layout: Layout, rank: int) -> list[int]:
+    """Every rank of the stages that hold a replica of ``rank``'s shard."""
+    out = set()
+    for r in replica_ranks(layout, rank):
+        pos = layout.position(r)
+        out.update(layout.pipelines[pos.pipeline].stages[pos.stage].ranks)
+    return sorted(out)
+
+
 def build_groups(layout: Layout, cache: GroupCache) -> RankGroups | None:
     """Create the layout's groups on every world rank; None on idle ranks."""
     rank = dist.get_rank()
@@ -116,6 +131,8 @@ def build_groups(layout: Layout, cache: GroupCache) -> RankGroups | None:
         cache.get(replica_ranks(layout, r))
     for pipe in layout.pipelines:
         cache.get(pipe.ranks)
+    for r in layout.ranks:
+        cache.get(tensor_and_data_ranks(layout, r))
     active = cache.get(layout.ranks)
 
     pos = layout.position(rank)
@@ -126,13 +143,37 @@ def build_groups(layout: Layout, cache: GroupCache) -> RankGroups | None:
     chain = next(c for c in stage_chains(layout, pos.pipeline) if c[pos.stage] == rank)
     dp_ranks = replica_ranks(layout, rank)
     pipeline_ranks = sorted(layout.pipelines[pos.pipeline].ranks)
+    tp_dp_ranks = tensor_and_data_ranks(layout, rank)
     return RankGroups(
         layout=layout, rank=rank, position=pos,
         tp=cache.get(stage.ranks), tp_ranks=list(stage.ranks),
         pp=cache.get(chain), pp_ranks=chain,
         dp=cache.get(dp_ranks), dp_ranks=dp_ranks,
         pipeline=cache.get(pipeline_ranks), pipeline_ranks=pipeline_ranks,
+        tp_dp=cache.get(tp_dp_ranks), tp_dp_ranks=tp_dp_ranks,
         active=active, singleton=cache.get([rank]),
+    )
+
+
+def rank_axes(groups: RankGroups):
+    """This rank's groups as ``compat.mcore`` names the axes of ``parallel_state``."""
+    from elastor_mcore.compat.mcore import Axis, RankAxes
+
+    rank = groups.rank
+    holds_embedding = groups.is_first_stage or groups.is_last_stage
+    return RankAxes(
+        rank=rank,
+        tp=Axis(groups.tp, sorted(groups.tp_ranks)),
+        pp=Axis(groups.pp, list(groups.pp_ranks)),
+        dp=Axis(groups.dp, list(groups.dp_ranks)),
+        model=Axis(groups.pipeline, list(groups.pipeline_ranks)),
+        tp_dp=Axis(groups.tp_dp, list(groups.tp_dp_ranks)),
+        active=Axis(groups.active, list(groups.layout.ranks)),
+        single=Axis(groups.singleton, [rank]),
+        stage=groups.position.stage, num_stages=groups.num_stages,
+        tp_rank=groups.tp.rank(), dp_rank=groups.dp.rank(),
+        embedding_ranks=[rank] if holds_embedding else [],
+        position_embedding_ranks=[rank] if groups.is_first_stage else [],
     )
 
 
@@ -140,40 +181,12 @@ def install(groups: RankGroups):
     """Point ``megatron.core.parallel_state`` at this rank's groups and return the
     matching ``ProcessGroupCollection`` (passed explicitly to the model as well).
 
-    We set the module globals rather than patch getters: globals are read at call
-    time by every ``parallel_state.get_*`` and by the names other modules imported.
+    Every process-group global, ranks list and rank/world-size override the installed
+    mcore defines is set (``compat.mcore.install_parallel_state``): module globals
+    rather than patched getters, because globals are read at call time by every
+    ``parallel_state.get_*`` and by the names other modules imported.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from elastor_mcore.compat import mcore
 
-    single, single_ranks = groups.singleton, [groups.rank]
-    ps._TENSOR_MODEL_PARALLEL_GROUP = groups.tp
-    ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = groups.tp_ranks
-    ps._MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE = None
-    ps._MPU_TENSOR_MODEL_PARALLEL_RANK = None
-    ps._PIPELINE_MODEL_PARALLEL_GROUP = groups.pp
-    ps._PIPELINE_GLOBAL_RANKS = groups.pp_ranks
-    ps._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = None
-    ps._MPU_PIPELINE_MODEL_PARALLEL_RANK = None
-    ps._MODEL_PARALLEL_GROUP = groups.pipeline
-    ps._MODEL_PARALLEL_GLOBAL_RANKS = groups.pipeline_ranks
-    ps._DATA_PARALLEL_GROUP = groups.dp
-    ps._DATA_PARALLEL_GROUP_GLOO = groups.dp
-    ps._DATA_PARALLEL_GLOBAL_RANKS = groups.dp_ranks
-    ps._DATA_PARALLEL_GROUP_WITH_CP = groups.dp
-    ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO = groups.dp
-    ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = groups.dp_ranks
-    ps._CONTEXT_PARALLEL_GROUP = single
-    ps._CONTEXT_PARALLEL_GLOBAL_RANKS = single_ranks
-    ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = groups.tp
-    ps._EMBEDDING_GROUP = None
-    ps._POSITION_EMBEDDING_GROUP = None
-    ps._EXPERT_MODEL_PARALLEL_GROUP = single
-    ps._EXPERT_TENSOR_PARALLEL_GROUP = groups.tp
-    ps._MPU_DATA_PARALLEL_WORLD_SIZE = None
-    ps._MPU_DATA_PARALLEL_RANK = None
-    if ps._GLOBAL_MEMORY_BUFFER is None:
-        ps._set_global_memory_buffer()
-    return ProcessGroupCollection(
-        tp=groups.tp, pp=groups.pp, mp=groups.pipeline, cp=single, tp_cp=groups.tp,
-        dp=groups.dp, dp_cp=groups.dp, embd=None, pos_embd=None)
+    mcore.install_parallel_state(rank_axes(groups))
+    return mcore.process_group_collection()
