@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from elastor_mcore.cli import main as cli_main
 from elastor_mcore.data.samples import pipeline_micro_batches, pipeline_sample_indices
@@ -107,15 +108,47 @@ def _global_batches(cfg: DataConfig, layout, start: int, stop: int,
             source.close()
 
 
-def _reference(cfg: DataConfig, steps: range) -> list[torch.Tensor]:
-    plan_cfg = prepare_data(cfg, RECIPE)
-    index = load_index(plan_cfg.index_path)
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    packed = PackedSamples(JsonlDocuments(index, tokenizer),
-                           PackingPlan(index.token_counts, RECIPE.model.seq_length,
-                                       RECIPE.training.seed, cfg.shuffle), tokenizer.eos_id)
-    return [torch.from_numpy(packed.samples(range(s * G, s * G + G))[:, :-1].astype(np.int64))
-            for s in steps]
+def _expected_documents(cfg: DataConfig) -> list[list[int]]:
+    """Each document's ids and its EOS, from the corpus files and ``tokenizer.json``."""
+    tokenizer = Tokenizer.from_file(str(Path(cfg.tokenizer) / "tokenizer.json"))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    files = sorted(f.resolve() for p in map(Path, cfg.paths)
+                   for f in (p.glob("*.jsonl") if p.is_dir() else [p]))
+    texts = [json.loads(line)["text"] for f in files
+             for line in f.read_text().split("\n") if line.strip()]
+    return [tokenizer.encode(t, add_special_tokens=False).ids + [eos] for t in texts if t]
+
+
+def _expected_epoch_length(cfg: DataConfig) -> int:
+    return (sum(map(len, _expected_documents(cfg))) - 1) // RECIPE.model.seq_length
+
+
+def _expected_samples(cfg: DataConfig, count: int) -> np.ndarray:
+    """Samples ``0 .. count-1`` as docs/data.md defines them, built from the corpus files
+    and ``tokenizer.json`` alone (the ``tokenizers`` library, nothing of elastor's): the
+    non-blank lines' ``text`` of the files in sorted absolute-path order, each document's
+    ids followed by EOS, laid end to end; sample ``j`` of an epoch is stream tokens
+    ``[j*S, j*S + S + 1)``, an epoch holds ``(T - 1) // S`` of them, and with shuffle each
+    epoch's document order is ``default_rng([seed, epoch]).permutation`` (packing.py)."""
+    documents = _expected_documents(cfg)
+    seq = RECIPE.model.seq_length
+    per_epoch = _expected_epoch_length(cfg)
+    streams: dict[int, list[int]] = {}
+    out = []
+    for i in range(count):
+        epoch, j = divmod(i, per_epoch)
+        if epoch not in streams:
+            order = (np.random.default_rng([RECIPE.training.seed, epoch]).permutation(
+                len(documents)) if cfg.shuffle else range(len(documents)))
+            streams[epoch] = [token for d in order for token in documents[d]]
+        out.append(streams[epoch][j * seq:j * seq + seq + 1])
+    return np.array(out, dtype=np.int64)
+
+
+def _expected_batches(cfg: DataConfig, steps: range) -> list[torch.Tensor]:
+    """The inputs (first S tokens of each sample) of each step's global batch."""
+    samples = _expected_samples(cfg, steps.stop * G)
+    return [torch.from_numpy(samples[s * G:s * G + G, :-1]) for s in steps]
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -128,7 +161,10 @@ def test_jsonl_resume_under_another_layout_gives_the_same_batches(corpus, shuffl
     resumed = _global_batches(cfg, _layout(4, 7, 5), k, k + 6)
     for step, batch in zip(range(k, k + 6), resumed):
         assert torch.equal(batch, uninterrupted[step]), f"step {step} differs after resume"
-    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, _reference(cfg, range(k + 6))))
+    expected = _expected_batches(cfg, range(k + 6))
+    assert len(uninterrupted) == len(expected) == k + 6
+    for step, (got, want) in enumerate(zip(uninterrupted, expected)):
+        assert torch.equal(got, want), f"step {step} is not the documented sample"
     assert int(torch.cat(uninterrupted).max()) < RECIPE.model.vocab_size
 
 
@@ -138,7 +174,8 @@ def test_indexed_resume_under_another_layout_matches_jsonl(corpus, indexed):
     resumed = _global_batches(indexed, _layout(2, 6, 8), k, k + 6)
     for step, batch in zip(range(k, k + 6), resumed):
         assert torch.equal(batch, uninterrupted[step]), f"step {step} differs after resume"
-    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, _reference(corpus, range(k + 6))))
+    for step, want in enumerate(_expected_batches(corpus, range(k + 6))):
+        assert torch.equal(uninterrupted[step], want), f"step {step} is not the documented sample"
     summary, jsonl = prepare_data(indexed, RECIPE), prepare_data(corpus, RECIPE)
     assert summary.kind == "indexed"
     assert (summary.tokens, summary.fingerprint) == (jsonl.tokens, jsonl.fingerprint)
@@ -200,16 +237,17 @@ def test_sample_definition_joins_documents_with_eos_and_overlaps_one_token(corpu
     seq = RECIPE.model.seq_length
     plan = PackingPlan(index.token_counts, seq, RECIPE.training.seed, False)
     packed = PackedSamples(JsonlDocuments(index, tokenizer), plan, tokenizer.eos_id)
-    n = 40
+    n = plan.samples_per_epoch + 3       # the whole epoch, into the next one
+    expected = _expected_samples(corpus, n)
+    assert expected.shape == (n, seq + 1)
     samples = packed.samples(range(n))
-    stream = np.concatenate([np.append(t, tokenizer.eos_id) for t in
-                             JsonlDocuments(index, tokenizer).documents(range(20))])
     for j in range(n):
-        assert np.array_equal(samples[j], stream[j * seq:j * seq + seq + 1])
-    # Past the epoch the corpus starts again (same order without shuffle).
-    first_of_epoch_1 = packed.samples([plan.samples_per_epoch])[0]
-    assert np.array_equal(first_of_epoch_1, samples[0])
-    assert plan.samples_per_epoch == (index.num_tokens + index.num_documents - 1) // seq
+        assert np.array_equal(samples[j], expected[j]), f"sample {j}"
+    # The epoch's length is the documented one; past it the corpus starts again (same
+    # order without shuffle).
+    assert plan.samples_per_epoch == _expected_epoch_length(corpus)
+    assert prepare_data(corpus, RECIPE).samples_per_epoch == plan.samples_per_epoch
+    assert np.array_equal(samples[plan.samples_per_epoch], samples[0])
 
 
 def test_shuffle_permutes_documents_per_epoch_deterministically(corpus):
