@@ -7,21 +7,32 @@ a checkpoint without a process group; ``adapter`` connects any mcore
 ``sharded_state_dict()``. The format is documented in ``docs/checkpoint-format.md``.
 """
 
-from elastor_mcore.checkpoint.adapter import load_sharded_state_dict, save_sharded_state_dict
-from elastor_mcore.checkpoint.format import (
-    FORMAT_VERSION, CheckpointError, ChunkPolicy, Manifest, TensorEntry, check_compatible,
-    committed_steps, latest_step)
-from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, WriteUnit, assign_writers
-from elastor_mcore.checkpoint.manager import CheckpointManager, SavePolicy, SaveReport
-from elastor_mcore.checkpoint.reader import CheckpointReader, TensorInfo, load
-from elastor_mcore.checkpoint.reader import open_checkpoint as open
-from elastor_mcore.checkpoint.store import storage_bytes_read
-from elastor_mcore.checkpoint.writer import SaveResult, remove_stale, save, write_checkpoint
+import importlib
+from typing import Any
 
-__all__ = [
-    "FORMAT_VERSION", "CheckpointError", "CheckpointManager", "CheckpointReader",
-    "ChunkPolicy", "LocalShard", "Manifest", "SavePolicy", "SaveReport", "SaveResult", "TensorEntry", "TensorInfo", "WritePlan", "WriteUnit",
-    "assign_writers", "check_compatible", "committed_steps", "latest_step", "load",
-    "load_sharded_state_dict", "open", "remove_stale", "save", "save_sharded_state_dict",
-    "storage_bytes_read", "write_checkpoint",
-]
+_EXPORTS = {
+    "adapter": ("load_sharded_state_dict", "save_sharded_state_dict"),
+    "format": ("FORMAT_VERSION", "CheckpointError", "ChunkPolicy", "Manifest", "TensorEntry",
+               "check_compatible", "committed_steps", "latest_step"),
+    "plan": ("LocalShard", "WritePlan", "WriteUnit", "assign_writers"),
+    "manager": ("CheckpointManager", "SavePolicy", "SaveReport"),
+    "reader": ("CheckpointReader", "TensorInfo", "load", "open"),
+    "store": ("storage_bytes_read",),
+    "writer": ("SaveResult", "remove_stale", "save", "write_checkpoint"),
+}
+"""Public names by module. They are imported on first use: the format helpers
+(``CheckpointError``, ``latest_step``) need neither torch nor TensorStore, so the
+CLI and the supervisor can use them without paying for either."""
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_RENAMED = {"open": "open_checkpoint"}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), _RENAMED.get(name, name))
+    globals()[name] = value
+    return value

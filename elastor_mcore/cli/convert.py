@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy
-from elastor_mcore.convert import hf_llama, torch_dist
-from elastor_mcore.checkpoint.megatron_dir import is_zarr_checkpoint
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 
 FORMATS = ("zarr", "torch_dist", "hf")
@@ -40,6 +38,9 @@ def register(subparsers) -> None:
 
 
 def source_format(path: Path) -> str:
+    from elastor_mcore.checkpoint.megatron_dir import is_zarr_checkpoint
+    from elastor_mcore.convert import hf_llama, torch_dist
+
     if torch_dist.is_torch_dist(path):
         return "torch_dist"
     if hf_llama.is_hf_checkpoint(path):
@@ -52,6 +53,8 @@ def source_format(path: Path) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from elastor_mcore.convert import hf_llama, torch_dist  # torch: only to convert
+
     src, dst = Path(args.src), Path(args.dst)
 
     def progress(done: int, total: int, name: str) -> None:

@@ -15,18 +15,16 @@ import yaml
 
 from elastor_mcore.cli.launch import StepPrinter, print_summary
 from elastor_mcore.cli.plan import diagram
-from elastor_mcore.data.config import DataConfig
-from elastor_mcore.data.errors import DataError
-from elastor_mcore.data.source import prepare_data
-from elastor_mcore.data.stdlib_corpus import prepare_demo_data
 from elastor_mcore.config.failure_plan import Failure, FailurePlanError
+from elastor_mcore.config.recipe import RecipeError, load_recipe
+from elastor_mcore.config.run import DataConfig, RunSettings
+from elastor_mcore.data.errors import DataError
 from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.report import read_metrics, write_report
 from elastor_mcore.elastic.supervisor import Supervisor, SupervisorConfig
 from elastor_mcore.elastic.timeline import recoveries
 from elastor_mcore.elastic.torchrun import run_torchrun
 from elastor_mcore.planner import HardwareError, load_hardware, plan
-from elastor_mcore.config.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "elastor demo"
@@ -50,12 +48,13 @@ def register(subparsers) -> None:
                     "on the survivors, run the same steps uninterrupted as the reference, "
                     "and write report.md, loss.png and timeline.json.")
     parser.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
-    parser.add_argument("--recipe", default=str(REPO / "recipes" / "tiny-llama.yaml"))
+    RunSettings.add_arguments(parser, "demo", {
+        "recipe": {"default": str(REPO / "recipes" / "tiny-llama.yaml")},
+        "steps": {"default": 40, "help": "optimizer steps to run (default 40)"},
+        "save_interval": {"default": 5, "help": "save every K steps (default 5)"}})
     parser.add_argument("--hardware", default=str(REPO / "recipes" / "hardware" /
                                                   "cpu-slots.yaml"))
     parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--save-interval", type=int, default=5)
     parser.add_argument("--kill", default="12:3", metavar="STEP:SLOT",
                         help="the slot killed and the step it dies at (default 12:3)")
     parser.add_argument("--hang", default="27:6", metavar="STEP:SLOT",
@@ -93,6 +92,8 @@ def demo_data(args: argparse.Namespace, recipe, out: Path) -> DataConfig:
     """The demo corpus (made and tokenised the first time) or synthetic tokens."""
     if args.synthetic_data:
         return DataConfig(kind="synthetic")
+    from elastor_mcore.data.source import prepare_data
+    from elastor_mcore.data.stdlib_corpus import prepare_demo_data
     data = prepare_demo_data(out / "data", recipe, max_mb=CORPUS_MB)
     summary = prepare_data(data, recipe)
     print(f"{PREFIX}:   {summary.documents:,} documents, {summary.tokens:,} tokens",
@@ -100,14 +101,13 @@ def demo_data(args: argparse.Namespace, recipe, out: Path) -> DataConfig:
     return data
 
 
-def run_reference(recipe_path: str, steps: int, data: DataConfig, out: Path) -> float:
-    """The uninterrupted run on ``REFERENCE_LAYOUT``."""
+def run_reference(settings: RunSettings, out: Path) -> float:
+    """The uninterrupted run of ``settings`` on ``REFERENCE_LAYOUT``, without saves."""
     out.mkdir(parents=True)
     start = time.perf_counter()
-    result = run_torchrun(2, "elastor_mcore.runtime.worker",
-                          ["--recipe", recipe_path, "--layout", REFERENCE_LAYOUT,
-                           "--steps", str(steps), "--metrics-out", str(out / "metrics.jsonl"),
-                           "--data-config", data.to_json()],
+    reference = replace(settings, layout=REFERENCE_LAYOUT,
+                        metrics_out=str(out / "metrics.jsonl"), failure_plan=None)
+    result = run_torchrun(2, "elastor_mcore.runtime.worker", reference.to_argv(),
                           capture=True)
     (out / "torchrun.log").write_text(result.stdout + result.stderr)
     if result.returncode:
@@ -138,11 +138,12 @@ def run(args: argparse.Namespace) -> int:
         recipe = load_recipe(args.recipe)
         hardware = load_hardware(args.hardware)
         failures = (parse_failure(args.kill, "kill"), parse_failure(args.hang, "hang"))
+        settings = replace(RunSettings.from_args(args, "demo"),
+                           failure_plan=str(out / "failure-plan.yaml"))
         config = SupervisorConfig(
-            recipe=recipe, recipe_path=args.recipe, hardware=hardware,
-            slots=tuple(range(args.slots)), steps=args.steps, run_dir=out,
-            save_interval=args.save_interval, async_save=True, failures=failures,
-            failure_plan=str(out / "failure-plan.yaml"), max_restarts=len(failures),
+            settings=settings, recipe=recipe, hardware=hardware,
+            slots=tuple(range(args.slots)), run_dir=out, failures=failures,
+            max_restarts=len(failures),
             hang=HangPolicy(startup_timeout_s=args.startup_timeout,
                             timeout_s=args.heartbeat_timeout), devices="cpu")
     except (RecipeError, HardwareError, FailurePlanError, ValueError) as exc:
@@ -166,12 +167,12 @@ def run(args: argparse.Namespace) -> int:
     except DataError as exc:
         print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 2
-    config = replace(config, data=data)
+    config = replace(config, settings=replace(config.settings, data=data))
 
     print(f"{PREFIX}: [2/4] reference: {args.steps} uninterrupted steps on "
           f"{REFERENCE_LAYOUT} ...", flush=True)
     try:
-        took = run_reference(args.recipe, args.steps, data, out / "reference")
+        took = run_reference(config.settings, out / "reference")
     except RuntimeError as exc:
         print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 1

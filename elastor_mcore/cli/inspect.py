@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from elastor_mcore.checkpoint import CheckpointError, open as open_checkpoint
+from elastor_mcore.checkpoint.format import CheckpointError, read_manifest, resolve_step_dir
 from elastor_mcore.parallel.layout import LayoutError, layout_from_dict
 
 
@@ -22,27 +21,28 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        reader = open_checkpoint(args.dir)
+    try:  # the manifest alone: no torch, no TensorStore
+        step_dir = resolve_step_dir(args.dir)
+        manifest = read_manifest(step_dir)
     except CheckpointError as exc:
         print(f"elastor inspect: {exc}", file=sys.stderr)
         return 2
-    manifest = reader.manifest
-    print(f"checkpoint: {reader.path}")
+    print(f"checkpoint: {step_dir}")
     print(f"step: {manifest.step}  (format version {manifest.format_version}, "
           f"written by {manifest.writers} rank(s))")
     print(f"layout at save: {_describe_layout(manifest.layout)}")
     if manifest.consumed_samples is not None:
         print(f"consumed samples: {manifest.consumed_samples}")
-    rows = [(t.name, "x".join(map(str, t.shape)) or "scalar", t.dtype,
-             "x".join(map(str, t.chunks)) or "-", f"{t.nbytes:,}") for t in reader.tensors()]
+    tensors = sorted(manifest.tensors.items())
+    rows = [(name, "x".join(map(str, t.shape)) or "scalar", t.dtype,
+             "x".join(map(str, t.chunks)) or "-", f"{t.nbytes:,}") for name, t in tensors]
     header = ("name", "shape", "dtype", "chunks", "bytes")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(c.rjust(w) if i == 4 else c.ljust(w)
                         for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-    total = sum(t.nbytes for t in reader.tensors())
-    on_disk = sum(f.stat().st_size for f in Path(reader.path).rglob("*") if f.is_file())
+    total = sum(t.nbytes for _, t in tensors)
+    on_disk = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
     print(f"total: {len(rows)} tensors, {total:,} bytes of data, {on_disk:,} bytes on disk")
     return 0
 

@@ -8,15 +8,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elastor_mcore.data.config import DataConfig, add_data_args, data_config_from_args
-from elastor_mcore.data.errors import DataError
-from elastor_mcore.data.source import prepare_data
 from elastor_mcore.config.failure_plan import FailurePlanError, load_failure_plan
+from elastor_mcore.config.recipe import RecipeError, load_recipe
+from elastor_mcore.config.run import DataConfig, RunSettings
+from elastor_mcore.data.config import add_data_args, data_config_from_args, validate_data_config
+from elastor_mcore.data.errors import DataError
 from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.supervisor import Outcome, Supervisor, SupervisorConfig
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from elastor_mcore.planner import HardwareError, load_hardware
-from elastor_mcore.config.recipe import RecipeError, load_recipe
 
 
 def register(subparsers) -> None:
@@ -26,23 +26,18 @@ def register(subparsers) -> None:
                     "When a rank exits non-zero or stops heart-beating, stop the job, find "
                     "the surviving slots, re-plan and relaunch from the latest committed "
                     "checkpoint.")
-    parser.add_argument("--recipe", required=True, help="recipe YAML (model + training)")
+    RunSettings.add_arguments(parser, "launch", {
+        "steps": {"help": "optimizer steps in all"},
+        "save_interval": {"required": True,
+                          "help": "save every K steps (a failure redoes at most K steps)"}})
     parser.add_argument("--hardware", required=True,
                         help="hardware profile YAML for the planner, e.g. "
                              "recipes/hardware/cpu-slots.yaml")
     parser.add_argument("--slots", type=int, default=None, metavar="N",
                         help="slots 0..N-1 (node-major, the profile's gpus_per_node per "
                              "node; default: one node on CPU, every visible GPU on CUDA)")
-    parser.add_argument("--steps", type=int, required=True, help="optimizer steps in all")
     parser.add_argument("--run-dir", required=True, metavar="DIR",
                         help="checkpoints, per-launch logs and timeline.json go here")
-    parser.add_argument("--save-interval", type=int, required=True, metavar="K",
-                        help="save every K steps (a failure redoes at most K steps)")
-    parser.add_argument("--keep-checkpoints", type=int, default=2, metavar="N")
-    parser.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--seed", type=int, default=None, help="override the recipe's seed")
-    parser.add_argument("--failure-plan", default=None, metavar="YAML",
-                        help="inject failures: a list of {step, slot, kind: kill|hang}")
     parser.add_argument("--max-restarts", type=int, default=3, metavar="N",
                         help="give up after N recoveries (default 3)")
     parser.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="S",
@@ -80,17 +75,15 @@ def build_config(args: argparse.Namespace) -> SupervisorConfig:
             count = hardware.gpus_per_node
     if count <= 0:
         raise ValueError(f"--slots must be positive, got {count}")
-    failures = load_failure_plan(args.failure_plan) if args.failure_plan else ()
+    settings = RunSettings.from_args(
+        args, "launch", data=data_config_from_args(args, default=DataConfig(kind="synthetic")))
+    failures = load_failure_plan(settings.failure_plan) if settings.failure_plan else ()
     return SupervisorConfig(
-        recipe=recipe, recipe_path=args.recipe, hardware=hardware,
-        slots=tuple(range(count)), steps=args.steps, run_dir=Path(args.run_dir),
-        save_interval=args.save_interval, keep_checkpoints=args.keep_checkpoints,
-        async_save=args.async_save, seed=args.seed, failures=failures,
-        failure_plan=args.failure_plan, max_restarts=args.max_restarts,
+        settings=settings, recipe=recipe, hardware=hardware, slots=tuple(range(count)),
+        run_dir=Path(args.run_dir), failures=failures, max_restarts=args.max_restarts,
         hang=HangPolicy(startup_timeout_s=args.startup_timeout,
                         timeout_s=args.heartbeat_timeout),
-        devices=kind, probe_timeout_s=args.probe_timeout,
-        data=data_config_from_args(args, default=DataConfig(kind="synthetic")))
+        devices=kind, probe_timeout_s=args.probe_timeout)
 
 
 class StepPrinter:
@@ -122,14 +115,17 @@ def run(args: argparse.Namespace) -> int:
     prefix = "elastor launch"
     try:
         config = build_config(args)
-        print(f"{prefix}: data: {config.data.describe()}", flush=True)
-        prepare_data(config.data, config.recipe)  # once, before any rank starts
+        data = config.settings.data
+        print(f"{prefix}: data: {data.describe()}", flush=True)
+        validate_data_config(data, config.recipe)  # fast, before the data pipeline's imports
+        from elastor_mcore.data.source import prepare_data
+        prepare_data(data, config.recipe)  # once, before any rank starts
     except (RecipeError, HardwareError, FailurePlanError, DataError, ValueError) as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return 2
     supervisor = Supervisor(config, on_message=lambda line: print(f"{prefix}: {line}",
                                                                   flush=True),
-                            on_step=StepPrinter(config.steps, prefix=prefix))
+                            on_step=StepPrinter(config.settings.steps, prefix=prefix))
     outcome = supervisor.run()
     print_summary(outcome, prefix)
     print(f"{prefix}: timeline in {config.run_dir / 'timeline.json'}")

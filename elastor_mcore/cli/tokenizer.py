@@ -9,7 +9,6 @@ from typing import Iterable, Iterator
 
 from elastor_mcore.data.corpus import iter_texts, resolve_corpus
 from elastor_mcore.data.errors import DataError
-from elastor_mcore.data.tokenizer import train_tokenizer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,6 +43,8 @@ def _first_megabytes(texts: Iterable[str], max_mb: float | None) -> Iterator[str
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from elastor_mcore.data.tokenizer import train_tokenizer  # numpy, tokenizers
+
     began = time.monotonic()
     try:
         files = resolve_corpus(args.corpus)

@@ -1,4 +1,5 @@
-"""What data a run trains on (``DataConfig``), its command-line flags, and fail-fast checks.
+"""The command-line flags of what data a run trains on (``DataConfig``, defined with
+the other run settings in ``config.run``), and fail-fast checks.
 
 ``validate_data_config`` runs before any process starts: a missing or empty corpus, a
 missing tokenizer, or a tokenizer larger than the model's vocabulary stops the
@@ -8,57 +9,16 @@ launch with a message that names the flag and the fix.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING
 
-from elastor_mcore.data.corpus import MalformedPolicy, resolve_corpus
+from elastor_mcore.config.run import DataConfig
+from elastor_mcore.data.corpus import resolve_corpus
 from elastor_mcore.data.errors import DataError
-from elastor_mcore.data.tokenizer import TextTokenizer, load_tokenizer
-from elastor_mcore.config.recipe import Recipe
 
-DataKind = Literal["synthetic", "jsonl", "indexed"]
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where samples come from and how they are prepared (see docs/data.md)."""
-
-    kind: DataKind = "synthetic"
-    paths: tuple[str, ...] = ()
-    """JSONL files/directories (``jsonl``) or ``.bin``/``.idx`` prefixes (``indexed``)."""
-    tokenizer: str | None = None
-    malformed: MalformedPolicy = "fail"
-    prefetch_depth: int = 1024
-    """Samples the background workers may have in flight ahead of training."""
-    workers: int = 1
-    """Background processes that tokenise and pack during training."""
-    index_workers: int = 0
-    """Processes that build the document index (0: one per CPU)."""
-    cache_dir: str | None = None
-    """Where the document index is cached (None: ``.elastor-index`` beside the corpus)."""
-    shuffle: bool = False
-    """Permute the documents of each epoch with a seed from (recipe seed, epoch)."""
-
-    @property
-    def index_processes(self) -> int:
-        return self.index_workers or os.cpu_count() or 1
-
-    def to_json(self) -> str:
-        """One command-line value: how launchers hand the config to every rank."""
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def from_json(text: str) -> "DataConfig":
-        data = json.loads(text)
-        return DataConfig(**{**data, "paths": tuple(data["paths"])})
-
-    def describe(self) -> str:
-        if self.kind == "synthetic":
-            return "synthetic tokens"
-        return f"{self.kind} {' '.join(self.paths)} (tokenizer {self.tokenizer})"
+if TYPE_CHECKING:
+    from elastor_mcore.config.recipe import Recipe
+    from elastor_mcore.data.tokenizer import TextTokenizer
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +104,7 @@ def validate_data_config(cfg: DataConfig, recipe: Recipe | None = None) -> TextT
         flag = "--data" if cfg.kind == "jsonl" else "--data-path"
         raise DataError(f"{flag} needs --tokenizer DIR (train one with 'elastor tokenizer "
                         f"train --corpus ... --vocab-size N --out DIR')")
+    from elastor_mcore.data.tokenizer import load_tokenizer  # numpy: after the cheap checks
     tokenizer = load_tokenizer(cfg.tokenizer)
     if recipe is not None and tokenizer.vocab_size > recipe.model.vocab_size:
         raise DataError(

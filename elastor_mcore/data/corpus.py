@@ -13,13 +13,13 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Iterator, Sequence
 
+from elastor_mcore.config.run import MalformedPolicy
 from elastor_mcore.data.errors import DataError
 
 log = logging.getLogger(__name__)
 
-MalformedPolicy = Literal["skip", "fail"]
 # How many malformed lines an error or warning spells out before summarising.
 MALFORMED_SHOWN = 5
 

@@ -25,7 +25,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
@@ -33,15 +33,15 @@ import psutil
 
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
-from elastor_mcore.data.config import DataConfig
 from elastor_mcore.elastic import probe
 from elastor_mcore.config.failure_plan import Failure, validate
 from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
-from elastor_mcore.runtime.rank_hooks import HEARTBEAT_DIR, worker_args
+from elastor_mcore.runtime.rank_hooks import HEARTBEAT_DIR
 from elastor_mcore.elastic.timeline import LaunchRecord, write_json
 from elastor_mcore.elastic.torchrun import torchrun_command, worker_env
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
 from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.config.run import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -50,39 +50,34 @@ WORKER_MODULE = "elastor_mcore.runtime.worker"
 
 @dataclass(frozen=True)
 class SupervisorConfig:
+    settings: RunSettings
+    """What every launch trains (recipe file, steps, saving, seed, data, failure plan);
+    the supervisor sets each launch's layout, checkpoint and elastic paths. Prepare the
+    data once beforehand (``data.source.prepare_data``)."""
     recipe: Recipe
-    recipe_path: str
-    """Passed to the workers, which load the recipe themselves."""
+    """``settings.recipe`` loaded, for the planner."""
     hardware: planner.HardwareProfile
     slots: tuple[int, ...]
     """Physical slots of the cluster (GPU ids, or CPU rank slots), node-major."""
-    steps: int
     run_dir: Path
-    save_interval: int
-    """Steps between checkpoints: the most work a failure can cost."""
-    keep_checkpoints: int = 2
-    async_save: bool = True
-    seed: int | None = None
     failures: tuple[Failure, ...] = ()
-    failure_plan: str | None = None
-    """The failure plan's file (given to the workers); ``failures`` is its content."""
+    """The content of ``settings.failure_plan``."""
     max_restarts: int = 3
     hang: HangPolicy = HangPolicy()
     devices: Literal["cpu", "cuda"] = "cpu"
     probe_timeout_s: float = 60.0
-    data: DataConfig = field(default_factory=DataConfig)
-    """What to train on; prepare it once beforehand (``data.source.prepare_data``)."""
     poll_s: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.steps <= 0:
-            raise ValueError(f"steps must be positive, got {self.steps}")
-        if self.save_interval <= 0:
+        steps, save_interval = self.settings.steps, self.settings.save_interval
+        if steps <= 0:
+            raise ValueError(f"steps must be positive, got {steps}")
+        if save_interval <= 0:
             raise ValueError(f"save_interval must be positive (recovery resumes from the "
-                             f"latest checkpoint), got {self.save_interval}")
+                             f"latest checkpoint), got {save_interval}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        validate(self.failures, self.slots, self.steps, self.failure_plan or "failure plan")
+        validate(self.failures, self.slots, steps, self.settings.failure_plan or "failure plan")
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -166,7 +161,7 @@ class Supervisor:
                 if isinstance(record, str):
                     return self._finish(False, record)
                 if record.outcome == "finished":
-                    return self._finish(True, f"finished {cfg.steps} steps after "
+                    return self._finish(True, f"finished {cfg.settings.steps} steps after "
                                               f"{len(self.launches) - 1} recoveries")
                 restarts = len(self.launches) - 1
                 if restarts >= cfg.max_restarts:
@@ -229,17 +224,10 @@ class Supervisor:
         out = Path(record.dir)
         ranked, slots = torchrun_layout(layout)
         (out / "layout.yaml").write_text(ranked.to_yaml())
-        args = ["--recipe", cfg.recipe_path, "--layout", str(out / "layout.yaml"),
-                "--steps", str(cfg.steps), "--metrics-out", str(out / "metrics.jsonl"),
-                "--save", str(cfg.checkpoint_dir), "--save-interval", str(cfg.save_interval),
-                "--keep-checkpoints", str(cfg.keep_checkpoints),
-                "--async-save" if cfg.async_save else "--no-async-save"]
-        if cfg.seed is not None:
-            args += ["--seed", str(cfg.seed)]
-        if record.resumed_from is not None:
-            args += ["--load", str(cfg.checkpoint_dir)]
-        args += ["--data-config", cfg.data.to_json()]
-        args += worker_args(out, slots, cfg.failure_plan)
+        resume = str(cfg.checkpoint_dir) if record.resumed_from is not None else None
+        args = replace(cfg.settings, layout=str(out / "layout.yaml"),
+                       metrics_out=str(out / "metrics.jsonl"), save_dir=str(cfg.checkpoint_dir),
+                       load_dir=resume, elastic_dir=str(out), rank_slots=slots).to_argv()
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if cfg.devices == "cuda" \
             else None
         with open(out / "torchrun.log", "w") as log_file:
@@ -264,12 +252,13 @@ class Supervisor:
                 record.outcome = "finished" if code == 0 else "exit"
                 break
             beats = read_beats(self._heartbeats(record))
-            died = [b.slot for b in beats.values() if b.step < cfg.steps and not _running(b.pid)]
+            died = [b.slot for b in beats.values()
+                    if b.step < cfg.settings.steps and not _running(b.pid)]
             if died:  # faster than waiting for torchrun to notice and tear down
                 record.outcome, record.died_slots = "exit", died
                 break
             silent = cfg.hang.silent_slots(record.slots, beats, record.launched_at, time.time(),
-                                           cfg.steps)
+                                           cfg.settings.steps)
             if silent:
                 record.outcome, record.silent_slots = "hang", silent
                 break

@@ -5,15 +5,15 @@ This is the rank side of the supervisor's file protocol (the supervisor in
 file per slot, and the failure plan's injection. Standard library only, so the
 supervisor can import the names without torch.
 
-``elastor launch`` passes the worker three flags (``worker_args``); the worker turns
-them into an :class:`ElasticHooks` (``from_args``) that ``train`` calls on every
-active rank. Torchrun ranks are contiguous (0..n-1) while the survivors' slots are
-not, so ``--slots`` maps each rank to its physical slot.
+``elastor launch`` sets three run settings of the worker (``elastic_dir``,
+``rank_slots``, ``failure_plan``); the worker turns them into an
+:class:`ElasticHooks` (``from_settings``) that ``train`` calls on every active rank.
+Torchrun ranks are contiguous (0..n-1) while the survivors' slots are not, so
+``rank_slots`` maps each rank to its physical slot.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from elastor_mcore.config.failure_plan import Failure, load_failure_plan
+from elastor_mcore.config.run import RunSettings
 
 log = logging.getLogger(__name__)
 
@@ -100,25 +101,6 @@ class RankHooks:
         """Step ``step`` is done (and its save, if one was due, started)."""
 
 
-
-
-def add_worker_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--elastic-dir", default=None,
-                        help="set by elastor launch: heartbeats and events of this launch")
-    parser.add_argument("--slots", default=None,
-                        help="physical slot of each rank, comma-separated, in rank order")
-    parser.add_argument("--failure-plan", default=None, help="failure plan YAML to inject")
-
-
-def worker_args(elastic_dir: str | os.PathLike, slots: Sequence[int],
-                failure_plan: str | os.PathLike | None) -> list[str]:
-    """The flags ``add_worker_args`` reads, for a launch on ``slots`` (rank order)."""
-    args = ["--elastic-dir", str(elastic_dir), "--slots", ",".join(map(str, slots))]
-    if failure_plan:
-        args += ["--failure-plan", str(failure_plan)]
-    return args
-
-
 class ElasticHooks(RankHooks):
     """Heartbeat after setup and every step; record the load, the first step and any
     injected failure; fail as the failure plan says when this slot reaches its step."""
@@ -151,11 +133,10 @@ class ElasticHooks(RankHooks):
         self.heartbeat.beat(step, stepping=True)
 
 
-def from_args(args: argparse.Namespace, rank: int) -> RankHooks:
+def from_settings(settings: RunSettings, rank: int) -> RankHooks:
     """The hooks for this rank: elastic ones under ``elastor launch``, else no-ops."""
-    if not args.elastic_dir:
+    if not settings.elastic_dir:
         return RankHooks()
-    slots = [int(s) for s in args.slots.split(",")] if args.slots else None
-    slot = slots[rank] if slots else rank
-    failures = load_failure_plan(args.failure_plan) if args.failure_plan else ()
-    return ElasticHooks(args.elastic_dir, rank, slot, failures)
+    slot = settings.rank_slots[rank] if settings.rank_slots else rank
+    failures = load_failure_plan(settings.failure_plan) if settings.failure_plan else ()
+    return ElasticHooks(settings.elastic_dir, rank, slot, failures)

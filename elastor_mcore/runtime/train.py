@@ -22,7 +22,6 @@ from elastor_mcore.runtime.state import (
     state_shards)
 from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_micro_batches,
                                         pipeline_sample_indices)
-from elastor_mcore.data.config import DataConfig
 from elastor_mcore.data.source import build_sample_source
 from elastor_mcore.runtime.grad_sync import GradientSynchronizer
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
@@ -30,6 +29,7 @@ from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.model import build_stage_model, initialize_weights
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.config.run import RunSettings
 from elastor_mcore.runtime.rank_hooks import RankHooks
 from elastor_mcore.runtime.schedule import run_1f1b
 
@@ -48,28 +48,21 @@ class StepMetrics:
 
 @dataclass
 class RunConfig:
+    """One rank's run: the loaded recipe and layout, the run settings they came from,
+    and the callbacks."""
+
     recipe: Recipe
     layout: Layout
-    steps: int
-    seed: int
+    settings: RunSettings
+    """Steps, saving, resuming, data (every flag ``elastor train`` passes a rank)."""
     on_step: Callable[[StepMetrics], None] | None = None
     """Called on the reporting rank (the lowest active rank) after every step."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Where samples come from (default: the seed's synthetic tokens)."""
-    save_dir: str | None = None
-    """Checkpoint root; a step is saved every ``save_interval`` steps and at the end."""
-    save_interval: int = 0
-    keep_checkpoints: int = 2
-    async_save: bool = True
-    """Write checkpoints in the background; training blocks only for a host copy."""
-    save_when_busy: str = "wait"
-    """A save due while the previous one is still writing: "wait" or "skip"."""
-    on_save_error: str = "stop"
-    """A failed save (e.g. a full disk): "stop" the run or log it and "continue"."""
-    load_dir: str | None = None
-    """Resume from the latest committed step under this root (any layout saved it)."""
     hooks: RankHooks = field(default_factory=RankHooks)
     """Per-rank callbacks on every active rank (heartbeats, failure injection)."""
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed_for(self.recipe.training.seed)
 
 
 def device_for_rank() -> torch.device:
@@ -209,9 +202,9 @@ def resume(runner: StageRunner, load_dir: str, seed: int) -> int:
 
 def checkpoint_manager(runner: StageRunner, cfg: RunConfig) -> checkpoint.CheckpointManager:
     policy = checkpoint.SavePolicy(
-        asynchronous=cfg.async_save, when_busy=cfg.save_when_busy,
-        on_error=cfg.on_save_error, keep=cfg.keep_checkpoints)
-    return checkpoint.CheckpointManager(cfg.save_dir, group=runner.groups.active,
+        asynchronous=cfg.settings.async_save, when_busy=cfg.settings.save_when_busy,
+        on_error=cfg.settings.on_save_error, keep=cfg.settings.keep_checkpoints)
+    return checkpoint.CheckpointManager(cfg.settings.save_dir, group=runner.groups.active,
                                         chunking=chunk_policy(cfg.recipe), policy=policy)
 
 
@@ -227,38 +220,39 @@ def open_sample_source(runner: StageRunner, cfg: RunConfig, start: int) -> Sampl
     last (labels) read data; a corpus source prepares exactly their samples ahead."""
     model_cfg = cfg.recipe.model
     groups = runner.groups
-    if cfg.data.kind == "synthetic" or not (groups.is_first_stage or groups.is_last_stage):
+    reads_data = groups.is_first_stage or groups.is_last_stage
+    if cfg.settings.data.kind == "synthetic" or not reads_data:
         return SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
     training = cfg.recipe.training
     indices = pipeline_sample_indices(cfg.layout, groups.position.pipeline,
                                       training.global_batch_size, training.micro_batch_size,
-                                      start, cfg.steps)
-    return build_sample_source(cfg.data, cfg.recipe, indices)
+                                      start, cfg.settings.steps)
+    return build_sample_source(cfg.settings.data, cfg.recipe, indices)
 
 
 def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     """Set up this rank for ``cfg.layout``, resume if asked, train until step
-    ``cfg.steps`` and save every ``cfg.save_interval`` steps."""
+    ``cfg.settings.steps`` and save every ``cfg.settings.save_interval`` steps."""
     runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache or GroupCache())
     if runner is None:
         return []
     load_start = time.perf_counter()
-    start = resume(runner, cfg.load_dir, cfg.seed) if cfg.load_dir else 0
+    start = resume(runner, cfg.settings.load_dir, cfg.seed) if cfg.settings.load_dir else 0
     load_s = time.perf_counter() - load_start
-    if cfg.save_dir and runner.groups.rank == min(cfg.layout.ranks):
-        checkpoint.remove_stale(cfg.save_dir)
+    if cfg.settings.save_dir and runner.groups.rank == min(cfg.layout.ranks):
+        checkpoint.remove_stale(cfg.settings.save_dir)
     source = open_sample_source(runner, cfg, start)
-    saver = checkpoint_manager(runner, cfg) if cfg.save_dir else None
+    saver = checkpoint_manager(runner, cfg) if cfg.settings.save_dir else None
     metrics = []
     cfg.hooks.ready(start, load_s)
-    for step in range(start, cfg.steps):
+    for step in range(start, cfg.settings.steps):
         cfg.hooks.step_start(step + 1)
         in_flight = saver is not None and saver.in_flight
         reported = train_steps(runner, source, range(step, step + 1))
         done = step + 1
         block_s = None
-        if saver and ((cfg.save_interval and done % cfg.save_interval == 0)
-                      or done == cfg.steps):
+        if saver and ((cfg.settings.save_interval and done % cfg.settings.save_interval == 0)
+                      or done == cfg.settings.steps):
             report = save(runner, cfg, saver, done)
             block_s = None if report.skipped else report.block_s
         for m in reported:

@@ -20,31 +20,17 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastor_mcore.compat import cpu
-from elastor_mcore.data.config import DataConfig
 from elastor_mcore.runtime import rank_hooks
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.config.recipe import load_recipe
+from elastor_mcore.config.run import RunSettings
 from elastor_mcore.runtime.train import RunConfig, StepMetrics, device_for_rank, train
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> RunSettings:
     parser = argparse.ArgumentParser(prog="elastor_mcore.runtime.worker")
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--layout", required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--metrics-out", default=None)
-    parser.add_argument("--save", default=None)
-    parser.add_argument("--save-interval", type=int, default=0)
-    parser.add_argument("--keep-checkpoints", type=int, default=2)
-    parser.add_argument("--load", default=None)
-    parser.add_argument("--data-config", type=DataConfig.from_json, default=DataConfig(),
-                        help="DataConfig as JSON (elastor train/launch pass it)")
-    parser.add_argument("--async-save", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--save-when-busy", choices=("wait", "skip"), default="wait")
-    parser.add_argument("--on-save-error", choices=("stop", "continue"), default="stop")
-    rank_hooks.add_worker_args(parser)
-    return parser.parse_args(argv)
+    RunSettings.add_arguments(parser, "worker")
+    return RunSettings.from_args(parser.parse_args(argv), "worker")
 
 
 def init_distributed() -> None:
@@ -105,19 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=os.environ.get("ELASTOR_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
-    args = parse_args(argv)
-    recipe = load_recipe(args.recipe)
-    layout = load_layout(args.layout, recipe)
+    settings = parse_args(argv)
+    recipe = load_recipe(settings.recipe)
+    layout = load_layout(settings.layout, recipe)
     init_distributed()
-    seed = recipe.training.seed if args.seed is None else args.seed
-    printer = MetricsPrinter(args.metrics_out) if dist.get_rank() == min(layout.ranks) else None
+    printer = MetricsPrinter(settings.metrics_out) if dist.get_rank() == min(layout.ranks) \
+        else None
     try:
-        train(RunConfig(recipe, layout, args.steps, seed, on_step=printer,
-                        save_dir=args.save, save_interval=args.save_interval,
-                        keep_checkpoints=args.keep_checkpoints, load_dir=args.load,
-                        async_save=args.async_save, save_when_busy=args.save_when_busy,
-                        on_save_error=args.on_save_error, data=args.data_config,
-                        hooks=rank_hooks.from_args(args, dist.get_rank())))
+        train(RunConfig(recipe, layout, settings, on_step=printer,
+                        hooks=rank_hooks.from_settings(settings, dist.get_rank())))
     finally:
         if printer:
             printer.close()
