@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,16 @@ class Cell:
     holders: tuple[int, ...]
 
 
+def boundaries(shape: Sequence[int], boxes: Iterable[Box]) -> list[list[int]]:
+    """Per dimension of a tensor of ``shape``, the sorted points where some box starts
+    or ends (the tensor's own ends included): the cuts every shard split agrees with."""
+    points = [{0, n} for n in shape]
+    for box in boxes:
+        for dim, (lo, hi) in enumerate(zip(box.offset, box.end)):
+            points[dim].update((lo, hi))
+    return [sorted(p) for p in points]
+
+
 def common_refinement(infos_by_rank: dict[int, Sequence[ShardInfo]]) -> list[Cell]:
     """Cut every global tensor into cells along every rank's shard boundaries.
 
@@ -85,13 +95,7 @@ def common_refinement(infos_by_rank: dict[int, Sequence[ShardInfo]]) -> list[Cel
     cells = []
     for key in sorted(boxes):
         held = boxes[key]
-        ndim = len(shapes[key])
-        cuts = []
-        for dim in range(ndim):
-            points = {0, shapes[key][dim]}
-            for _, box in held:
-                points.update((box.offset[dim], box.end[dim]))
-            cuts.append(sorted(points))
+        cuts = boundaries(shapes[key], [box for _, box in held])
         intervals = [list(zip(c[:-1], c[1:])) for c in cuts]
         for combo in itertools.product(*intervals):
             box = Box(tuple(lo for lo, _ in combo), tuple(hi - lo for lo, hi in combo))

@@ -17,7 +17,7 @@ import torch
 
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, ChunkPolicy, TensorEntry, choose_entry, validate_key)
-from elastor_mcore.geometry import Box, ShardInfo, common_refinement
+from elastor_mcore.geometry import Box, ShardInfo, boundaries, common_refinement
 
 
 @dataclass
@@ -118,7 +118,7 @@ def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]],
                policy: ChunkPolicy) -> WritePlan:
     """Index entries and writer assignment for the shards of every rank."""
     dtypes: dict[str, str] = {}
-    cuts: dict[str, list[set[int]]] = {}
+    boxes: dict[str, list[Box]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for rank in sorted(infos_by_rank):
         for info in infos_by_rank[rank]:
@@ -127,14 +127,12 @@ def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]],
                     f"tensor {info.key}: ranks hold it as {dtypes[info.key]} and "
                     f"{info.dtype} (rank {rank}); every replica must have one dtype")
             shapes[info.key] = info.global_shape
-            dims = cuts.setdefault(info.key, [{0, n} for n in info.global_shape])
-            for d, (lo, hi) in enumerate(zip(info.box.offset, info.box.end)):
-                dims[d].update((lo, hi))
+            boxes.setdefault(info.key, []).append(info.box)
     try:
         cells = common_refinement(infos_by_rank)
     except ValueError as exc:
         raise CheckpointError(f"shards disagree: {exc}") from exc
-    entries = {key: choose_entry(shapes[key], dtypes[key], [sorted(c) for c in cuts[key]],
+    entries = {key: choose_entry(shapes[key], dtypes[key], boundaries(shapes[key], boxes[key]),
                                  policy) for key in sorted(shapes)}
     covered = dict.fromkeys(entries, 0)
     units = []
