@@ -69,16 +69,16 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def setting(help: str, commands: tuple[Command, ...], *, flag: str | None = None,
-            metavar: str | None = None, choices: tuple[str, ...] | None = None,
-            required: bool = False, parse: Callable[[str], Any] | None = None,
+            metavar: str | None = None, required: bool = False, parse: Callable[[str], Any] | None = None,
             render: Callable[[Any], str] | None = None) -> dict[str, Any]:
     """A field's flag: its help, the commands that take it, and argparse details.
 
-    ``flag`` defaults to the field's name in dashes; ``parse``/``render`` convert a
-    value that is neither a plain int, str nor bool to and from its argv text.
+    ``flag`` defaults to the field's name in dashes; a ``Literal`` type gives the
+    choices; ``parse``/``render`` convert a value that is neither an int, a str nor a
+    bool to and from its argv text.
     """
     return {"help": help, "commands": commands, "flag": flag, "metavar": metavar,
-            "choices": choices, "required": required, "parse": parse, "render": render}
+            "required": required, "parse": parse, "render": render}
 
 
 ALL: tuple[Command, ...] = ("train", "launch", "demo", "worker")
@@ -115,12 +115,11 @@ class RunSettings:
         "buffers (default: on)", ("train", "launch", "worker")))
     save_when_busy: Literal["wait", "skip"] = field(default="wait", metadata=setting(
         "a save due while the previous one is still being written: wait for it, or skip "
-        "the new one (default: wait)", ("train", "launch", "worker"),
-        choices=("wait", "skip")))
+        "the new one (default: wait)", ("train", "launch", "worker")))
     on_save_error: Literal["stop", "continue"] = field(default="stop", metadata=setting(
         "a failed save (e.g. a full disk) stops the run, or is logged and training "
         "continues; the previous checkpoint stays loadable either way (default: stop)",
-        ("train", "launch", "worker"), choices=("stop", "continue")))
+        ("train", "launch", "worker")))
     load_dir: str | None = field(default=None, metadata=setting(
         "resume from the latest committed step under DIR, under the current layout "
         "(weights, optimizer, RNG, data position, step)", ("train", "worker"),
@@ -153,8 +152,8 @@ class RunSettings:
             kwargs: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
             if meta["metavar"]:
                 kwargs["metavar"] = meta["metavar"]
-            if meta["choices"]:
-                kwargs["choices"] = meta["choices"]
+            if typing.get_origin(hints[f.name]) is Literal:
+                kwargs["choices"] = typing.get_args(hints[f.name])
             if hints[f.name] is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
