@@ -1,7 +1,10 @@
 """Recovery end to end, on CPU slots: ``elastor launch`` through a kill and a hang
-(4 -> 3 -> 2 slots) ends with the weights and losses of an uninterrupted run; a
+(4 -> 3 -> 2 slots) resumes each time from the last checkpoint before the failure and
+ends with the weights and losses of an uninterrupted run; a
 failure that leaves too few slots gives up with a clear message and keeps the last
-checkpoint. One supervised run serves the recovery tests (worlds cost seconds each).
+checkpoint. One supervised run serves the recovery tests (worlds cost seconds each);
+it saves synchronously, so which step each relaunch resumes from is determined (an
+asynchronous save may still be in flight when a rank fails).
 """
 
 import json
@@ -22,6 +25,19 @@ TOLERANCE = 1e-5
 KILL = {"step": 4, "slot": 1, "kind": "kill"}
 HANG = {"step": 7, "slot": 3, "kind": "hang"}
 CPU_SLOTS = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
+
+
+def last_save_before(step: int) -> int | None:
+    """The committed step a failure as ``step`` begins resumes from: saves are synchronous
+    (committed before the next step begins), every SAVE_INTERVAL steps; None: none yet."""
+    return (step - 1) // SAVE_INTERVAL * SAVE_INTERVAL or None
+
+
+# Launch i starts after the checkpoint of the failure before it and runs until its own
+# failure (exclusive) or the end: 4 -> 3 -> 2 slots.
+RESUMED = [None, last_save_before(KILL["step"]), last_save_before(HANG["step"])]
+RAN = [range(1, KILL["step"]), range(RESUMED[1] + 1, HANG["step"]),
+       range(RESUMED[2] + 1, STEPS + 1)]
 
 
 def elastor_launch(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
@@ -59,8 +75,8 @@ def recovered(tmp_path_factory):
     result = elastor_launch(
         ["--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--slots", "4",
          "--steps", str(STEPS), "--run-dir", str(run_dir), "--save-interval",
-         str(SAVE_INTERVAL), "--failure-plan", plan, "--heartbeat-timeout", "20",
-         "--devices", "cpu"])
+         str(SAVE_INTERVAL), "--no-async-save", "--failure-plan", plan,
+         "--heartbeat-timeout", "20", "--devices", "cpu"])
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return run_dir, json.loads((run_dir / "timeline.json").read_text()), result.stdout
 
@@ -75,9 +91,12 @@ def test_kill_and_hang_are_each_recovered_from(recovered):
     assert kill["failure"] == "kill of slot 1 at step 4"
     assert hang["failure"] == "hang of slot 3 at step 7"
     assert "heartbeat" in hang["detected_by"]
-    for r, failed_at in ((kill, KILL["step"]), (hang, HANG["step"])):
-        assert r["resumed_from"] is None or (r["resumed_from"] % SAVE_INTERVAL == 0
-                                             and r["resumed_from"] < failed_at)
+    assert RESUMED == [None, 2, 6]   # the derivation above, spelt out
+    assert [l["resumed_from"] for l in launches] == RESUMED
+    for r, failed_at, resumed in ((kill, KILL["step"], RESUMED[1]),
+                                  (hang, HANG["step"], RESUMED[2])):
+        assert (r["failed_at_step"], r["resumed_from"]) == (failed_at, resumed)
+        assert r["steps_redone"] == failed_at - 1 - resumed
         for phase in ("detect_s", "stop_s", "probe_s", "plan_s", "relaunch_s", "load_s",
                       "first_step_s", "total_s"):
             assert r[phase] is not None and r[phase] >= 0, (phase, r)
@@ -88,12 +107,13 @@ def test_kill_and_hang_are_each_recovered_from(recovered):
 def test_every_step_matches_the_uninterrupted_run(recovered, reference):
     run_dir, timeline, _ = recovered
     expected = {m["step"]: m["loss"] for m in read_metrics(reference / "metrics.jsonl")}
-    steps = []
-    for launch in timeline["launches"]:
-        for m in read_metrics(f"{launch['dir']}/metrics.jsonl"):
-            steps.append(m["step"])
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    for launch, ran in zip(timeline["launches"], RAN, strict=True):
+        metrics = read_metrics(f"{launch['dir']}/metrics.jsonl")
+        # Each relaunch re-runs only the steps after the checkpoint it resumed from.
+        assert [m["step"] for m in metrics] == list(ran), launch["dir"]
+        for m in metrics:
             assert abs(m["loss"] - expected[m["step"]]) / abs(expected[m["step"]]) <= TOLERANCE
-    assert set(steps) == set(range(1, STEPS + 1))
 
 
 @pytest.mark.timeout(900)
