@@ -133,13 +133,19 @@ def _axis_of(axes: RankAxes, name: str) -> Axis:
     return table[name]
 
 
-def _override(axes: RankAxes, axis: str, what: str) -> int:
-    """Values for the ``_MPU_*`` overrides, which mcore's getters read first."""
+def _override(axes: RankAxes, axis: str, what: str) -> int | None:
+    """Values for the ``_MPU_*`` overrides, which mcore's getters read first.
+
+    The data-parallel pair is cleared rather than set: its getter then reads the DP
+    group, which gives the same answer, and mcore's ``destroy_model_parallel`` (0.16
+    to 0.19) does not reset it, so a value set here would outlive the layout and
+    override a later ``initialize_model_parallel`` in the same process.
+    """
     values = {
         "TENSOR_MODEL_PARALLEL": (axes.tp.size, axes.tp_rank),
         "EXPERT_TENSOR_PARALLEL": (axes.tp.size, axes.tp_rank),
         "PIPELINE_MODEL_PARALLEL": (axes.num_stages, axes.stage),
-        "DATA_PARALLEL": (axes.dp.size, axes.dp_rank),
+        "DATA_PARALLEL": (None, None),
         "EXPERT_MODEL_PARALLEL": (1, 0),
     }
     size, rank = values[axis]
