@@ -96,3 +96,13 @@ def test_uniform_groups_equal_megatron_groups(dp, tp, pp):
     assert ours_tp == sorted(mcore.get_ranks("tp"))
     assert ours_pp == sorted(mcore.get_ranks("pp"))
     assert [list(g) for g in ours_dp] == sorted(mcore.get_ranks("dp"))
+
+
+def test_stage_ranks_follow_the_group_order_torch_gives():
+    """torch orders a group by global rank and mcore takes the TP rank from the group:
+    a stage listed as [5, 1] has TP rank 0 on rank 1, and the layout says so too."""
+    layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
+        {"tp": 2, "layers": 8, "ranks": [5, 1]}]}]})
+    assert layout.pipelines[0].stages[0].ranks == (1, 5)
+    assert layout.position(1).tp_rank == 0 and layout.position(5).tp_rank == 1
+    assert layout.to_dict()["pipelines"][0]["stages"][0]["ranks"] == [1, 5]

@@ -40,6 +40,14 @@ class Stage:
     tp: int
     layers: int
     ranks: tuple[int, ...]
+    """Ascending: a rank's TP rank is its index here. ``torch.distributed.new_group``
+    orders a group's members by global rank, and mcore takes the TP rank from the
+    group, so a stage listed as ``[1, 0]`` holds TP rank 0 on rank 0 all the same;
+    keeping the layout in that order keeps every TP rank derived from it (P2P
+    pairing, replica sets) equal to the one mcore shards by."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(sorted(self.ranks)))
 
 
 @dataclass(frozen=True)
