@@ -76,7 +76,7 @@ def test_survivor_slots_become_contiguous_torchrun_ranks():
         {"micro_batches": 6, "stages": [{"tp": 2, "layers": 8, "ranks": [7, 2]}]}]})
     ranked, slots = torchrun_layout(layout)
     assert slots == (0, 2, 4, 7)
-    assert [s.ranks for p in ranked.pipelines for s in p.stages] == [(2,), (0,), (3, 1)]
+    assert [s.ranks for p in ranked.pipelines for s in p.stages] == [(2,), (0,), (1, 3)]
 
 
 def test_timeline_joins_supervisor_records_and_rank_events(tmp_path):

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import yaml
 
+from elastor_mcore.checkpoint.format import CheckpointError
 from elastor_mcore.cli.launch import StepPrinter, print_summary
 from elastor_mcore.cli.plan import diagram
+from elastor_mcore.cli.stopping import report_stop, stopped_by
 from elastor_mcore.config.failure_plan import Failure, FailurePlanError
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.config.run import DataConfig, RunSettings
@@ -101,6 +103,14 @@ def demo_data(args: argparse.Namespace, recipe, out: Path) -> DataConfig:
     return data
 
 
+class Stopped(Exception):
+    """A stop signal ended the reference run."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def run_reference(settings: RunSettings, out: Path) -> float:
     """The uninterrupted run of ``settings`` on ``REFERENCE_LAYOUT``, without saves."""
     out.mkdir(parents=True)
@@ -110,6 +120,9 @@ def run_reference(settings: RunSettings, out: Path) -> float:
     result = run_torchrun(2, "elastor_mcore.runtime.worker", reference.to_argv(),
                           capture=True)
     (out / "torchrun.log").write_text(result.stdout + result.stderr)
+    signum = stopped_by(result.returncode)
+    if signum:
+        raise Stopped(signum)
     if result.returncode:
         raise RuntimeError(f"the reference run failed (exit {result.returncode}); its output "
                            f"is in {out / 'torchrun.log'}")
@@ -173,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
           f"{REFERENCE_LAYOUT} ...", flush=True)
     try:
         took = run_reference(config.settings, out / "reference")
+    except Stopped as stop:
+        return report_stop(PREFIX, stop.signum, None)
     except RuntimeError as exc:
         print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 1
@@ -184,7 +199,13 @@ def run(args: argparse.Namespace) -> int:
     supervisor = Supervisor(config, on_message=lambda line: print(f"{PREFIX}:   {line}",
                                                                   flush=True),
                             on_step=StepPrinter(args.steps, every=5, prefix=PREFIX))
-    outcome = supervisor.run()
+    try:
+        outcome = supervisor.run()
+    except CheckpointError as exc:  # another job holds the checkpoint root
+        print(f"{PREFIX}: {exc}", file=sys.stderr)
+        return 2
+    if outcome.stopped_by:
+        return report_stop(PREFIX, outcome.stopped_by, config.checkpoint_dir)
     elastic_s = time.perf_counter() - start
 
     print(f"{PREFIX}: [4/4] report ...", flush=True)

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from elastor_mcore.checkpoint.format import CheckpointError
+from elastor_mcore.cli.stopping import report_stop
 from elastor_mcore.config.failure_plan import FailurePlanError, load_failure_plan
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.config.run import DataConfig, RunSettings
@@ -126,7 +128,13 @@ def run(args: argparse.Namespace) -> int:
     supervisor = Supervisor(config, on_message=lambda line: print(f"{prefix}: {line}",
                                                                   flush=True),
                             on_step=StepPrinter(config.settings.steps, prefix=prefix))
-    outcome = supervisor.run()
+    try:
+        outcome = supervisor.run()
+    except CheckpointError as exc:  # another job holds the checkpoint root
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return 2
     print_summary(outcome, prefix)
     print(f"{prefix}: timeline in {config.run_dir / 'timeline.json'}")
+    if outcome.stopped_by:
+        return report_stop(prefix, outcome.stopped_by, config.checkpoint_dir)
     return 0 if outcome.finished else 1

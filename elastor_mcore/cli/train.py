@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from elastor_mcore.checkpoint import CheckpointError
+from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
+from elastor_mcore.cli.stopping import report_stop, stopped_by
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.config.run import DataConfig, RunSettings
 from elastor_mcore.data.config import add_data_args, data_config_from_args, validate_data_config
@@ -60,9 +62,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"elastor train: --world-size {world} is smaller than the {layout.world_size} "
               f"ranks the layout uses", file=sys.stderr)
         return 2
+    lease = CheckpointLease(settings.save_dir, new_job_id()) if settings.save_dir else None
+    try:
+        if lease:
+            lease.acquire()
+    except CheckpointError as exc:
+        print(f"elastor train: {exc}", file=sys.stderr)
+        return 2
     print(f"elastor train: {recipe.name} on {layout.num_gpus} of {world} ranks: "
           f"{layout.describe()}", flush=True)
-    result = run_torchrun(world, "elastor_mcore.runtime.worker", settings.to_argv())
+    try:
+        result = run_torchrun(world, "elastor_mcore.runtime.worker", settings.to_argv())
+    finally:
+        if lease:
+            lease.release()
+    signum = stopped_by(result.returncode)
+    if signum:
+        return report_stop("elastor train", signum, settings.save_dir)
     if result.returncode:
         print(f"elastor train: a rank failed (exit code {result.returncode}); its error is "
               f"above", file=sys.stderr)

@@ -18,6 +18,7 @@ Run directory::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -33,12 +34,13 @@ import psutil
 
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
+from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
 from elastor_mcore.elastic import probe
 from elastor_mcore.config.failure_plan import Failure, validate
 from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
 from elastor_mcore.runtime.rank_hooks import HEARTBEAT_DIR
 from elastor_mcore.elastic.timeline import LaunchRecord, write_json
-from elastor_mcore.elastic.torchrun import torchrun_command, worker_env
+from elastor_mcore.elastic.torchrun import forwarding_stop_signals, start_torchrun
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.run import RunSettings
@@ -46,6 +48,9 @@ from elastor_mcore.config.run import RunSettings
 log = logging.getLogger(__name__)
 
 WORKER_MODULE = "elastor_mcore.runtime.worker"
+STOP_GRACE_S = 20.0
+"""After forwarding SIGINT/SIGTERM, how long torchrun may take to stop its ranks
+before the supervisor SIGKILLs what is left."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class Outcome:
     reason: str
     """Why the run ended, in a sentence for people."""
     launches: list[LaunchRecord] = field(default_factory=list)
+    stopped_by: int | None = None
+    """The signal (SIGINT, SIGTERM) that stopped the run, if one did."""
 
 
 def torchrun_layout(layout: Layout) -> tuple[Layout, tuple[int, ...]]:
@@ -152,14 +159,26 @@ class Supervisor:
 
     # ----- the loop ------------------------------------------------------------------
     def run(self) -> Outcome:
+        """Run to the end; the launches are one job, holding the checkpoint root's lease
+        throughout (``checkpoint.lease.LeaseError`` before anything starts if another
+        job holds it)."""
         cfg = self.config
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        with CheckpointLease(cfg.checkpoint_dir, new_job_id()):
+            return self._run()
+
+    def _run(self) -> Outcome:
+        cfg = self.config
         alive, probe_s = list(cfg.slots), 0.0
         try:
             while True:
                 record = self._plan_and_launch(alive, probe_s)
                 if isinstance(record, str):
                     return self._finish(False, record)
+                if record.outcome == "stopped":
+                    name = signal.Signals(record.stopped_by).name
+                    return Outcome(False, f"stopped by {name} at launch {record.index}",
+                                   self.launches, stopped_by=record.stopped_by)
                 if record.outcome == "finished":
                     return self._finish(True, f"finished {cfg.settings.steps} steps after "
                                               f"{len(self.launches) - 1} recoveries")
@@ -209,7 +228,11 @@ class Supervisor:
                         f"{record.describe} (planned in {plan_s:.2f}s), {resumed}")
         proc = self._start(record, chosen.layout)
         try:
-            self._watch(record, proc)
+            with forwarding_stop_signals(proc) as received:
+                self._watch(record, proc, received)
+                if received:  # torchrun got the signal too: let it stop its ranks
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=STOP_GRACE_S)
         finally:
             if proc.poll() is None or record.outcome != "finished":
                 start = time.perf_counter()
@@ -232,21 +255,25 @@ class Supervisor:
             else None
         with open(out / "torchrun.log", "w") as log_file:
             record.launched_at = time.time()
-            return subprocess.Popen(
-                torchrun_command(len(slots), WORKER_MODULE, args), env=worker_env(env),
-                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+            return start_torchrun(len(slots), WORKER_MODULE, args, env=env, stdout=log_file,
+                                  stderr=subprocess.STDOUT)
 
     def _heartbeats(self, record: LaunchRecord) -> Path:
         return Path(record.dir) / HEARTBEAT_DIR
 
-    def _watch(self, record: LaunchRecord, proc: subprocess.Popen) -> None:
-        """Until the launch ends: finished, a rank exited non-zero, or a rank went silent."""
+    def _watch(self, record: LaunchRecord, proc: subprocess.Popen,
+               stop_signals: list[int]) -> None:
+        """Until the launch ends: finished, a rank exited non-zero, a rank went silent,
+        or a stop signal arrived (``stop_signals``, filled by the signal handler)."""
         cfg = self.config
         metrics = Path(record.dir) / "metrics.jsonl"
         seen = 0
         while True:
             code = proc.poll()
             seen = self._forward_steps(record, metrics, seen)
+            if stop_signals:
+                record.outcome, record.stopped_by = "stopped", stop_signals[0]
+                break
             if code is not None:
                 record.exit_code = code
                 record.outcome = "finished" if code == 0 else "exit"
@@ -264,7 +291,7 @@ class Supervisor:
                 break
             time.sleep(cfg.poll_s)
         record.detected_at = time.time()
-        if record.outcome == "finished":
+        if record.outcome in ("finished", "stopped"):
             return
         if record.outcome == "hang":
             what = (f"no heartbeat from slots {silent} within the timeout "

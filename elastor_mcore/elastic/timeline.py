@@ -44,7 +44,10 @@ class LaunchRecord:
     resumed_from: int | None = None
     """Committed step loaded at start (None: trained from scratch)."""
     outcome: str = "running"
-    """``finished``, ``exit`` (a rank exited non-zero) or ``hang`` (heartbeats stopped)."""
+    """``finished``, ``exit`` (a rank exited non-zero), ``hang`` (heartbeats stopped) or
+    ``stopped`` (a stop signal reached the supervisor)."""
+    stopped_by: int | None = None
+    """The stop signal (SIGINT, SIGTERM) forwarded to the launch, if one was."""
     exit_code: int | None = None
     silent_slots: list[int] = field(default_factory=list)
     died_slots: list[int] = field(default_factory=list)

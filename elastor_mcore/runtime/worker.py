@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastor_mcore.compat import cpu
+from elastor_mcore.compat.process import die_with_parent
 from elastor_mcore.runtime import rank_hooks
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.config.recipe import load_recipe
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=os.environ.get("ELASTOR_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
+    die_with_parent()  # if torchrun is SIGKILLed, no rank trains on unseen
     settings = parse_args(argv)
     recipe = load_recipe(settings.recipe)
     layout = load_layout(settings.layout, recipe)
