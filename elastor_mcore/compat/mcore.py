@@ -222,3 +222,55 @@ def process_group_collection():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     return ProcessGroupCollection.use_mpu_process_groups()
+
+
+# ------------------------------------------------------------------ torch_dist checkpoints
+
+TORCH_DIST_COMMON_FILE = "common.pt"
+TORCH_DIST_COMMON_OBJECT = "common_state"
+
+
+def torch_dist_common_object_key() -> str:
+    """The DCP key under which mcore ≥ 0.19 stores a checkpoint's common state (a
+    ``ShardedObject`` named ``common_state``)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(TORCH_DIST_COMMON_OBJECT, None, (1,), (0,)).unique_key
+
+
+def torch_dist_common_in_dcp() -> bool:
+    """Whether the installed mcore's ``dist_checkpointing.save`` keeps the common state
+    inside the DCP files (0.19) rather than in ``common.pt`` (0.16 - 0.18); both
+    read either."""
+    return mcore_version() >= (0, 19)
+
+
+def torch_dist_common_object(common: dict) -> bytes:
+    """``common`` as the bytes of mcore's ``common_state`` object (``torch.save([value])``)."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save([common], buffer)
+    return buffer.getvalue()
+
+
+def torch_dist_common_state(checkpoint_dir, read_object) -> dict:
+    """The common (non-sharded) state of a torch_dist checkpoint, wherever the mcore
+    that *wrote* it put it (not the installed one: checkpoints cross versions):
+    ``common.pt`` up to 0.18, the ``common_state`` object inside the DCP files from
+    0.19. ``read_object(key) -> bytes | None`` reads one DCP object's raw bytes (mcore
+    stores ``torch.save([value])``). Empty when the checkpoint has neither."""
+    import io
+    from pathlib import Path
+
+    import torch
+
+    file = Path(checkpoint_dir) / TORCH_DIST_COMMON_FILE
+    if file.is_file():
+        return torch.load(file, weights_only=False)
+    data = read_object(torch_dist_common_object_key())
+    if data is None:
+        return {}
+    return torch.load(io.BytesIO(data), weights_only=False)[0]

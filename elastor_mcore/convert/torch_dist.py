@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,6 +34,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy
 from elastor_mcore.checkpoint import open as open_checkpoint
+from elastor_mcore.compat.mcore import (
+    torch_dist_common_in_dcp, torch_dist_common_object, torch_dist_common_object_key,
+    torch_dist_common_state)
 from elastor_mcore.convert.zarr_io import Progress, StreamingZarrWriter
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,12 @@ def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
     reader = FileSystemReader(os.fspath(src))
     metadata = reader.read_metadata().state_dict_metadata
     sources = {k: m for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)}
-    objects = sorted(k for k in metadata if k not in sources)
+    # mcore >= 0.19 keeps the common state as an object; it travels as common.pt.
+    common_key = torch_dist_common_object_key()
+    objects = sorted(k for k in metadata if k not in sources and k != common_key)
+    common = torch_dist_common_state(
+        src, lambda key: _read_items(reader, {key: io.BytesIO()})[key]
+        if key in metadata else None)
     declared, stacked = {}, {}
     for key, meta in sources.items():
         pieces = _pieces(key, tuple(meta.size))
@@ -105,7 +112,7 @@ def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
                                    _dtype_name(meta.properties.dtype))
     extra = dict(manifest_extra or {})
     extra[SOURCE_KEY] = {"format": "torch_dist", "stacked": stacked}
-    writer = StreamingZarrWriter(dst, declared, step=_iteration(src), manifest_extra=extra,
+    writer = StreamingZarrWriter(dst, declared, step=_iteration(common), manifest_extra=extra,
                                  chunking=chunking)
     for done, key in enumerate(sorted(sources), 1):
         meta = sources[key]
@@ -117,10 +124,7 @@ def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
         if progress:
             progress(done, len(sources), key)
     writer.commit()
-    if (src / megatron_dir.COMMON_FILE).is_file():
-        shutil.copyfile(src / megatron_dir.COMMON_FILE, dst / megatron_dir.COMMON_FILE)
-    else:
-        torch.save({}, dst / megatron_dir.COMMON_FILE)
+    torch.save(common, dst / megatron_dir.COMMON_FILE)
     for key, data in _read_items(reader, {k: io.BytesIO() for k in objects}).items():
         # mcore stores a ShardedObject as torch.save([data]); megatron_dir as data.
         file = dst / megatron_dir.OBJECTS_DIR / f"{key}.pt"
@@ -154,6 +158,11 @@ def zarr_to_torch_dist(src: str | os.PathLike, dst: str | os.PathLike, *,
         key: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
         for key, (shape, dtype, _) in outputs.items()}
     state.update({key: io.BytesIO(_mcore_object_bytes(file)) for key, file in objects.items()})
+    common_file = Path(reader.path) / megatron_dir.COMMON_FILE
+    common = torch.load(common_file, weights_only=False) if common_file.is_file() \
+        else {"iteration": reader.manifest.step}
+    if torch_dist_common_in_dcp():  # where the installed mcore's own save puts it
+        state[torch_dist_common_object_key()] = io.BytesIO(torch_dist_common_object(common))
 
     def assemble(key: str) -> torch.Tensor:
         shape, dtype, parts = outputs[key]
@@ -170,11 +179,8 @@ def zarr_to_torch_dist(src: str | os.PathLike, dst: str | os.PathLike, *,
     dcp_save(state, storage_writer=FileSystemWriter(os.fspath(dst), single_file_per_rank=True,
                                                 thread_count=1),
          planner=_StreamingSavePlanner(assemble, len(outputs), progress), no_dist=True)
-    common_file = Path(reader.path) / megatron_dir.COMMON_FILE
-    if common_file.is_file():
-        shutil.copyfile(common_file, dst / megatron_dir.COMMON_FILE)
-    else:
-        torch.save({"iteration": reader.manifest.step}, dst / megatron_dir.COMMON_FILE)
+    if not torch_dist_common_in_dcp():
+        torch.save(common, dst / megatron_dir.COMMON_FILE)
     (dst / megatron_dir.CONFIG_FILE).write_text(json.dumps(
         {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
          "common_backend": "torch", "common_backend_version": 1}))
@@ -229,13 +235,9 @@ def _mcore_object_bytes(file: Path) -> bytes:
     return buffer.getvalue()
 
 
-def _iteration(src: Path) -> int:
-    file = src / megatron_dir.COMMON_FILE
-    if file.is_file():
-        iteration = torch.load(file, weights_only=False).get("iteration", 0)
-        if isinstance(iteration, int) and iteration >= 0:
-            return iteration
-    return 0
+def _iteration(common: dict) -> int:
+    iteration = common.get("iteration", 0)
+    return iteration if isinstance(iteration, int) and iteration >= 0 else 0
 
 
 class _RawBytesPlanner(DefaultLoadPlanner):

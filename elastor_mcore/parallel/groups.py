@@ -25,7 +25,7 @@ Groups with the same members are created once and shared.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -65,10 +65,10 @@ class RankGroups:
     dp_ranks: list[int]
     pipeline: dist.ProcessGroup
     pipeline_ranks: list[int]
-    tp_dp: dist.ProcessGroup
-    tp_dp_ranks: list[int]
     active: dist.ProcessGroup
     singleton: dist.ProcessGroup
+    tp_dp: dist.ProcessGroup | None = None
+    tp_dp_ranks: list[int] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
