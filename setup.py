@@ -9,8 +9,11 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
+        # Tested: 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12, the only wheels >= 0.17);
+        # version differences are decided in elastor_mcore/compat/mcore.py.
         "megatron-core>=0.16,<0.20",
         "tensorstore>=0.1.60",
+        "google-crc32c>=1.5",  # checkpoint loads: crc32c checked in place (fast_read)
         "pyyaml",
         "numpy",
         "psutil",
