@@ -438,11 +438,14 @@ from elastor_mcore.integrations.megatron_lm import hooks
 from elastor_mcore.parallel.layout import layout_from_dict
 
 zarr_dir, torch_dist_dir = sys.argv[2], sys.argv[3]
-names = ("get_default_load_sharded_strategy", "_build_sharded_state_dict_metadata")
+# Megatron-LM 0.19 no longer imports get_default_load_sharded_strategy (it builds
+# TorchDistLoadShardedStrategy itself; the patched dist_checkpointing.load dispatches).
+names = tuple(n for n in ("get_default_load_sharded_strategy",
+                          "_build_sharded_state_dict_metadata") if hasattr(ckpt, n))
 originals = {name: getattr(ckpt, name) for name in names}
 args = argparse.Namespace(use_distributed_optimizer=False, ckpt_format="torch_dist")
 group = object()    # dp_cp_group given: the real function then needs no process group
-out = {"file": ckpt.__file__,
+out = {"file": ckpt.__file__, "names": names,
        "before": ckpt._build_sharded_state_dict_metadata(args, group)["singleton_local_shards"]}
 layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
     {"tp": 2, "layers": 8}]}]})
@@ -450,10 +453,11 @@ hooks.install(hooks.ElastorOptions(layout=layout, ckpt_format="zarr"))
 try:
     out["patched"] = [getattr(ckpt, name) is not originals[name] for name in names]
     out["during"] = ckpt._build_sharded_state_dict_metadata(args, group)["singleton_local_shards"]
-    out["zarr"] = isinstance(ckpt.get_default_load_sharded_strategy(zarr_dir),
-                             hooks.ZarrLoadStrategy)
-    out["torch_dist"] = isinstance(ckpt.get_default_load_sharded_strategy(torch_dist_dir),
-                                   TorchDistLoadShardedStrategy)
+    if "get_default_load_sharded_strategy" in names:
+        out["zarr"] = isinstance(ckpt.get_default_load_sharded_strategy(zarr_dir),
+                                 hooks.ZarrLoadStrategy)
+        out["torch_dist"] = isinstance(ckpt.get_default_load_sharded_strategy(torch_dist_dir),
+                                       TorchDistLoadShardedStrategy)
 finally:
     hooks.uninstall()
 out["restored"] = [getattr(ckpt, name) is originals[name] for name in names]
@@ -490,6 +494,7 @@ def test_hooks_patch_the_names_megatron_training_imported(megatron_lm_dir, tmp_p
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert Path(out["file"]).resolve() == megatron_lm_dir / "megatron/training/checkpointing.py"
-    assert out["patched"] == [True, True] and out["restored"] == [True, True]
+    assert "_build_sharded_state_dict_metadata" in out["names"]
+    assert all(out["patched"]) and all(out["restored"])
     assert (out["before"], out["during"], out["after"]) == (False, True, False)
-    assert out["zarr"] and out["torch_dist"]
+    assert out.get("zarr", True) and out.get("torch_dist", True)
