@@ -13,7 +13,10 @@ import json
 import logging
 import os
 import random
+import subprocess
+import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -30,13 +33,15 @@ from elastor_mcore.data.corpus import iter_texts, read_text, resolve_corpus
 from elastor_mcore.data.doc_index import JsonlDocuments, load_index
 from elastor_mcore.data.errors import DataError
 from elastor_mcore.data.packing import PackedSamples, PackingPlan
-from elastor_mcore.data.source import build_sample_source, prepare_data
+from elastor_mcore.data.source import build_sample_source, fingerprint_change, prepare_data
 from elastor_mcore.data.stdlib_corpus import prepare_demo_data
 from elastor_mcore.data.tasks import JsonlSpec, SampleTask
 from elastor_mcore.data.tokenizer import load_tokenizer, train_tokenizer
 from elastor_mcore.data.workers import WorkerPool
 from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.config.recipe import load_recipe
+from elastor_mcore import checkpoint
+from tests.conftest import REPO, TINY, run_world
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -346,10 +351,14 @@ def test_changed_corpus_or_tokenizer_rebuilds_the_index(tmp_path, corpus):
     second = prepare_data(cfg, RECIPE)
     assert second.index_built and second.documents == first.documents + 1
     assert second.fingerprint != first.fingerprint
+    assert "the corpus changed" in fingerprint_change(first.fingerprint, second.fingerprint)
     retrained = tmp_path / "tok2"
     train_tokenizer(iter_texts(resolve_corpus([directory]), "fail"), 280, retrained)
     third = prepare_data(DataConfig(**{**cfg.__dict__, "tokenizer": str(retrained)}), RECIPE)
     assert third.index_built and third.index_path != second.index_path
+    assert "the tokenizer changed" in fingerprint_change(second.fingerprint, third.fingerprint)
+    assert "from synthetic tokens to a corpus" in fingerprint_change("synthetic", third.fingerprint)
+    assert fingerprint_change(third.fingerprint, third.fingerprint) is None
 
 
 def test_flags_build_the_config():
@@ -414,3 +423,83 @@ def test_corpus_and_indexed_dataset_tools(tmp_path, corpus, capsys):
     assert build(["--data", str(tmp_path / "nope"), "--tokenizer", corpus.tokenizer,
                   "--out", str(prefix)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_run_seed_orders_shuffled_epochs(corpus):
+    """One seed story: --seed (RunSettings.seed_for) drives the shuffle, as it does the
+    weights; without it the recipe's seed does."""
+    def first_samples(cfg: DataConfig, seed: int | None) -> torch.Tensor:
+        source = build_sample_source(cfg, RECIPE, range(4), seed)
+        try:
+            return torch.stack([source.sample(i) for i in range(4)])
+        finally:
+            source.close()
+
+    shuffled, recipe_seed = replace(corpus, shuffle=True), RECIPE.training.seed
+    assert torch.equal(first_samples(shuffled, None), first_samples(shuffled, recipe_seed))
+    assert not torch.equal(first_samples(shuffled, 7), first_samples(shuffled, recipe_seed))
+    assert torch.equal(first_samples(corpus, 7), first_samples(corpus, recipe_seed))
+    synthetic = DataConfig()
+    assert not torch.equal(first_samples(synthetic, 7), first_samples(synthetic, None))
+
+
+@pytest.mark.timeout(300)
+def test_a_tp_group_packs_its_samples_once(corpus, tmp_path):
+    """TP2 first stage: rank 0 reads, rank 1 only receives, and both train on exactly the
+    micro-batches one rank reading by itself gets, so the losses are those of before."""
+    steps = 3
+    run_world(2, "tests.workers.tp_shared_data",
+              ["--recipe", str(TINY), "--data-config", corpus.to_json(), "--steps", str(steps),
+               "--out", str(tmp_path)])
+    layout = layout_from_dict({"pipelines": [{"micro_batches": G // MBS, "stages": [
+        {"tp": 2, "layers": RECIPE.model.num_layers}]}]})
+    with build_sample_source(corpus, RECIPE, pipeline_sample_indices(
+            layout, 0, G, MBS, 0, steps)) as source:
+        expected = [pipeline_micro_batches(source, layout, 0, step, G, MBS)
+                    for step in range(steps)]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert len(got) == steps
+        for want, have in zip(expected, got):
+            assert len(want) == len(have) == G // MBS
+            assert all(torch.equal(w.tokens, t) and torch.equal(w.labels, l)
+                       for w, (t, l) in zip(want, have))
+
+
+def _elastor(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "elastor_mcore.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.timeout(900)
+def test_resume_on_an_edited_corpus_is_refused_unless_allowed(corpus, tmp_path):
+    """The manifest records the data source; an edited corpus is refused before any rank
+    starts, naming the change, and --allow-data-change continues with a warning."""
+    directory = tmp_path / "corpus"
+    _write_corpus(directory, files=1, documents=60, seed=3)
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    common = ("--recipe", str(TINY), "--layout", "dp1-tp2-pp1", "--data", str(directory),
+              "--tokenizer", corpus.tokenizer, "--no-async-save", "--save", str(ckpt))
+    result = _elastor("train", *common, "--steps", "2", "--metrics-out", str(metrics))
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = checkpoint.open(ckpt).manifest.extra["data"]
+    cfg = DataConfig(kind="jsonl", paths=(str(directory),), tokenizer=corpus.tokenizer)
+    assert saved == {"kind": "jsonl", "paths": [str(directory.resolve())],
+                     "tokenizer": str(Path(corpus.tokenizer).resolve()),
+                     "fingerprint": prepare_data(cfg, RECIPE).fingerprint, "shuffle": False,
+                     "seed": RECIPE.training.seed}
+
+    with open(directory / "part-0.jsonl", "a") as handle:
+        handle.write(json.dumps({"text": "a document added after the checkpoint"}) + "\n")
+    result = _elastor("train", *common, "--steps", "3", "--load", str(ckpt))
+    assert result.returncode == 2
+    assert "checkpoint of step 2 was saved on other data: the corpus changed" in result.stderr
+    assert "--allow-data-change" in result.stderr and "a rank failed" not in result.stderr
+
+    result = _elastor("train", *common, "--steps", "3", "--load", str(ckpt),
+                      "--metrics-out", str(metrics), "--allow-data-change")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resuming step 2 on other data (--allow-data-change): the corpus changed" \
+        in result.stderr
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [3]

@@ -100,7 +100,7 @@ def demo_data(args: argparse.Namespace, recipe, out: Path) -> DataConfig:
     summary = prepare_data(data, recipe)
     print(f"{PREFIX}:   {summary.documents:,} documents, {summary.tokens:,} tokens",
           flush=True)
-    return data
+    return replace(data, fingerprint=summary.fingerprint)
 
 
 class Stopped(Exception):

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from elastor_mcore.checkpoint.format import CheckpointError
+from elastor_mcore.checkpoint.format import CheckpointError, latest_step
 from elastor_mcore.cli.stopping import report_stop
+from elastor_mcore.cli.train import check_resume_source
 from elastor_mcore.config.failure_plan import FailurePlanError, load_failure_plan
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.config.run import DataConfig, RunSettings
@@ -121,8 +123,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{prefix}: data: {data.describe()}", flush=True)
         validate_data_config(data, config.recipe)  # fast, before the data pipeline's imports
         from elastor_mcore.data.source import prepare_data
-        prepare_data(data, config.recipe)  # once, before any rank starts
-    except (RecipeError, HardwareError, FailurePlanError, DataError, ValueError) as exc:
+        summary = prepare_data(data, config.recipe)  # once, before any rank starts
+        settings = replace(config.settings, data=replace(data, fingerprint=summary.fingerprint))
+        config = replace(config, settings=settings)
+        if latest_step(config.checkpoint_dir) is not None:  # a rerun resumes: check it now
+            check_resume_source(str(config.checkpoint_dir), config.recipe, settings)
+    except (RecipeError, HardwareError, FailurePlanError, DataError, CheckpointError,
+            ValueError) as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return 2
     supervisor = Supervisor(config, on_message=lambda line: print(f"{prefix}: {line}",

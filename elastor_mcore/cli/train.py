@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from elastor_mcore.checkpoint import CheckpointError
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
@@ -28,12 +29,15 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def check_resume_source(load_dir: str, recipe, seed: int) -> None:
-    """Fail before any process starts when --load cannot be resumed from."""
+def check_resume_source(load_dir: str, recipe, settings: RunSettings) -> None:
+    """Fail before any process starts when --load cannot be resumed from (another model,
+    seed, batch, corpus or tokenizer; ``settings.data`` carries the fingerprint)."""
     from elastor_mcore import checkpoint
     from elastor_mcore.runtime.state import check_resumable
 
-    check_resumable(checkpoint.open(load_dir).manifest, recipe, seed)
+    check_resumable(checkpoint.open(load_dir).manifest, recipe,
+                    settings.seed_for(recipe.training.seed), settings.data,
+                    settings.allow_data_change)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,8 +46,6 @@ def run(args: argparse.Namespace) -> int:
         layout = load_layout(args.layout, recipe)
         settings = RunSettings.from_args(
             args, "train", data=data_config_from_args(args, default=DataConfig(kind="synthetic")))
-        if settings.load_dir:
-            check_resume_source(settings.load_dir, recipe, settings.seed_for(recipe.training.seed))
         print(f"elastor train: data: {settings.data.describe()}", flush=True)
         validate_data_config(settings.data, recipe)  # fast, before the data pipeline's imports
         from elastor_mcore.data.source import prepare_data
@@ -51,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
         if summary.index_built:
             print(f"elastor train: indexed {summary.documents:,} documents "
                   f"({summary.tokens:,} tokens) in {summary.seconds:.1f}s", flush=True)
+        settings = replace(settings, data=replace(settings.data, fingerprint=summary.fingerprint))
+        if settings.load_dir:
+            check_resume_source(settings.load_dir, recipe, settings)
     except (RecipeError, LayoutError, CheckpointError, DataError) as exc:
         print(f"elastor train: {exc}", file=sys.stderr)
         return 2

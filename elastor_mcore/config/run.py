@@ -43,7 +43,11 @@ class DataConfig:
     cache_dir: str | None = None
     """Where the document index is cached (None: ``.elastor-index`` beside the corpus)."""
     shuffle: bool = False
-    """Permute the documents of each epoch with a seed from (recipe seed, epoch)."""
+    """Permute the documents of each epoch with a seed from (the run's seed, epoch)."""
+    fingerprint: str | None = None
+    """``prepare_data``'s fingerprint of the sample stream, set once by the launcher so
+    that every rank records it in checkpoints and checks it on resume without indexing
+    the corpus again (None: not known, nothing to compare)."""
 
     @property
     def index_processes(self) -> int:
@@ -97,9 +101,11 @@ class RunSettings:
     """Under the supervisor, each launch's planned layout (set per launch)."""
     steps: int = field(metadata=setting("optimizer steps to run", ALL))
     seed: int | None = field(default=None, metadata=setting(
-        "override the recipe's seed", ("train", "launch", "worker")))
+        "override the recipe's seed; the run's seed initialises the weights and orders "
+        "--shuffle-data epochs", ("train", "launch", "worker")))
     metrics_out: str | None = field(default=None, metadata=setting(
-        "write JSON lines {step, loss, grad_norm, time_s, save_block_s, save_in_flight} "
+        "write JSON lines {step, loss, grad_norm, time_s, data_wait_s, save_block_s, "
+        "save_in_flight} "
         "here", ("train", "worker")))
     save_dir: str | None = field(default=None, metadata=setting(
         "checkpoint root: saves step_<N>/ every --save-interval steps and at the end",
@@ -124,6 +130,9 @@ class RunSettings:
         "resume from the latest committed step under DIR, under the current layout "
         "(weights, optimizer, RNG, data position, step)", ("train", "worker"),
         flag="--load", metavar="DIR"))
+    allow_data_change: bool = field(default=False, metadata=setting(
+        "resume even if the corpus or tokenizer differs from the checkpoint's (the "
+        "sample stream changes; logged as a warning)", ("train", "launch", "worker")))
     data: DataConfig = field(default_factory=DataConfig, metadata=setting(
         "DataConfig as JSON (the commands' data flags build it)", ("worker",),
         flag="--data-config", parse=DataConfig.from_json, render=DataConfig.to_json))

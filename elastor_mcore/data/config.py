@@ -53,7 +53,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                        help="where to cache the document index (default: .elastor-index "
                             "beside the corpus)")
     group.add_argument("--shuffle-data", action="store_true",
-                       help="shuffle document order per epoch (seeded by the recipe seed)")
+                       help="shuffle document order per epoch (seeded by the run's seed: --seed, "
+                            "else the recipe's)")
 
 
 def data_config_from_args(args: argparse.Namespace,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 import torch
+import torch.distributed as dist
 
 from elastor_mcore.parallel.layout import Layout
 
@@ -67,11 +68,34 @@ def pipeline_sample_indices(layout: Layout, pipeline: int, global_batch_size: in
 def pipeline_micro_batches(source: SampleSource, layout: Layout, pipeline: int, step: int,
                            global_batch_size: int, micro_batch_size: int) -> list[MicroBatch]:
     """The micro-batches pipeline ``pipeline`` trains on at ``step`` (0-based)."""
-    indices = list(pipeline_sample_indices(layout, pipeline, global_batch_size,
-                                           micro_batch_size, step, step + 1))
-    out = []
-    for start in range(0, len(indices), micro_batch_size):
-        samples = torch.stack([source.sample(i) for i in indices[start:start + micro_batch_size]])
-        out.append(MicroBatch(tokens=samples[:, :-1].contiguous(),
-                              labels=samples[:, 1:].contiguous()))
-    return out
+    indices = pipeline_sample_indices(layout, pipeline, global_batch_size, micro_batch_size,
+                                      step, step + 1)
+    return _cut(torch.stack([source.sample(i) for i in indices]), micro_batch_size)
+
+
+def tp_shared_micro_batches(source: SampleSource, layout: Layout, pipeline: int, step: int,
+                            global_batch_size: int, micro_batch_size: int, sample_length: int,
+                            group: dist.ProcessGroup, device: torch.device) -> list[MicroBatch]:
+    """``pipeline_micro_batches`` read once per TP group: the group's first rank reads them
+    from ``source`` and broadcasts the tokens; the other ranks never touch their
+    ``source``, so a stage runs one packing worker, not one per TP rank. Every rank of
+    ``group`` calls this at the same step, before any other collective of the step;
+    ``sample_length`` is ``seq_length + 1``. The micro-batches are on ``device``."""
+    if dist.get_world_size(group) == 1:
+        return pipeline_micro_batches(source, layout, pipeline, step, global_batch_size,
+                                      micro_batch_size)
+    if dist.get_rank(group) == 0:
+        indices = pipeline_sample_indices(layout, pipeline, global_batch_size,
+                                          micro_batch_size, step, step + 1)
+        samples = torch.stack([source.sample(i) for i in indices]).to(device)
+    else:
+        count = len(layout.sample_range(pipeline, micro_batch_size))
+        samples = torch.empty((count, sample_length), dtype=torch.int64, device=device)
+    dist.broadcast(samples, group=group, group_src=0)
+    return _cut(samples, micro_batch_size)
+
+
+def _cut(samples: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
+    """Consecutive samples ``[n, seq_length + 1]`` as micro-batches, in order."""
+    return [MicroBatch(tokens=chunk[:, :-1].contiguous(), labels=chunk[:, 1:].contiguous())
+            for chunk in samples.split(micro_batch_size)]

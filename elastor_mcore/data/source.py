@@ -44,22 +44,24 @@ class DataSummary:
     tokens: int = 0
     samples_per_epoch: int = 0
     fingerprint: str = "synthetic"
-    """Identifies the sample stream (documents' token counts, tokenizer, shuffle), not
-    where the files are; a JSONL corpus and the indexed dataset built from it agree.
-    Checkpoints do not record it yet, so a resume does not notice a changed corpus."""
+    """Identifies the sample stream, not where the files are (a JSONL corpus and the
+    indexed dataset built from it agree): ``<documents' token counts and shuffle>-
+    <tokenizer file>``, so a resume can say which of the two changed
+    (``fingerprint_change``). Checkpoints record it (``DataConfig.fingerprint``)."""
     index_path: str | None = None
     index_built: bool = False
     seconds: float = 0.0
 
 
 def prepare_data(cfg: DataConfig, recipe: Recipe) -> DataSummary:
-    """Validate ``cfg`` and make the corpus ready to sample (builds the index if missing)."""
+    """Validate ``cfg`` and make the corpus ready to sample (builds the index if missing).
+    Nothing in the summary depends on the seed, which only orders shuffled epochs."""
     began = time.monotonic()
     tokenizer = validate_data_config(cfg, recipe)
     if cfg.kind == "synthetic":
         return DataSummary(kind="synthetic")
     if cfg.kind == "indexed":
-        plan = _indexed_samples(cfg, recipe, tokenizer).plan
+        plan = _indexed_samples(cfg, recipe, tokenizer, recipe.training.seed).plan
         return DataSummary("indexed", len(plan.token_counts), int(plan.token_counts.sum()),
                            plan.samples_per_epoch, _fingerprint(plan, tokenizer),
                            seconds=time.monotonic() - began)
@@ -70,7 +72,7 @@ def prepare_data(cfg: DataConfig, recipe: Recipe) -> DataSummary:
     if index.num_documents == 0:
         raise DataError(f"the corpus {' '.join(cfg.paths)} has no documents (every line is "
                         f"blank, has an empty text, or is malformed)")
-    plan = _plan(index.token_counts, cfg, recipe)
+    plan = _plan(index.token_counts, cfg, recipe, recipe.training.seed)
     summary = DataSummary("jsonl", index.num_documents, index.num_tokens, plan.samples_per_epoch,
                           _fingerprint(plan, tokenizer), index.path, built,
                           time.monotonic() - began)
@@ -81,18 +83,37 @@ def prepare_data(cfg: DataConfig, recipe: Recipe) -> DataSummary:
 def _fingerprint(plan: PackingPlan, tokenizer: TextTokenizer) -> str:
     digest = hashlib.sha256(plan.token_counts.astype(np.int64).tobytes())
     digest.update(f"{tokenizer.fingerprint} shuffle={plan.shuffle}".encode())
-    return digest.hexdigest()[:16]
+    return f"{digest.hexdigest()[:16]}-{tokenizer.fingerprint[:8]}"
 
 
-def _plan(token_counts: np.ndarray, cfg: DataConfig, recipe: Recipe) -> PackingPlan:
-    return PackingPlan(token_counts, recipe.model.seq_length, recipe.training.seed, cfg.shuffle)
+def fingerprint_change(saved: str, now: str) -> str | None:
+    """What differs between two ``DataSummary.fingerprint`` values, in words (None: same)."""
+    if saved == now:
+        return None
+    if "synthetic" in (saved, now):
+        return f"the data source changed from {_source_name(saved)} to {_source_name(now)}"
+    saved_tokenizer, now_tokenizer = saved.rpartition("-")[2], now.rpartition("-")[2]
+    if saved_tokenizer != now_tokenizer:
+        return (f"the tokenizer changed (tokenizer.json {saved_tokenizer}... at save, "
+                f"{now_tokenizer}... now)")
+    return (f"the corpus changed: its documents' token counts differ (fingerprint {saved} at "
+            f"save, {now} now): documents were edited, added, removed or reordered")
 
 
-def _indexed_samples(cfg: DataConfig, recipe: Recipe, tokenizer: TextTokenizer) -> PackedSamples:
+def _source_name(fingerprint: str) -> str:
+    return "synthetic tokens" if fingerprint == "synthetic" else f"a corpus ({fingerprint})"
+
+
+def _plan(token_counts: np.ndarray, cfg: DataConfig, recipe: Recipe, seed: int) -> PackingPlan:
+    return PackingPlan(token_counts, recipe.model.seq_length, seed, cfg.shuffle)
+
+
+def _indexed_samples(cfg: DataConfig, recipe: Recipe, tokenizer: TextTokenizer,
+                     seed: int) -> PackedSamples:
     # Imported here: the indexed reader pulls in megatron.core, which JSONL runs skip.
     from elastor_mcore.data.indexed import IndexedDocuments
     store = IndexedDocuments(cfg.paths)
-    return PackedSamples(store, _plan(store.token_counts, cfg, recipe), tokenizer.eos_id)
+    return PackedSamples(store, _plan(store.token_counts, cfg, recipe, seed), tokenizer.eos_id)
 
 
 class PackedSampleSource:
@@ -126,19 +147,23 @@ class PackedSampleSource:
         self.close()
 
 
-def build_sample_source(cfg: DataConfig, recipe: Recipe, indices: Iterable[int]) -> SampleSource:
+def build_sample_source(cfg: DataConfig, recipe: Recipe, indices: Iterable[int],
+                        seed: int | None = None) -> SampleSource:
     """This rank's source of samples; ``indices`` are the global sample indices it will
-    request, in order (JSONL workers prepare them ahead). Close file-backed sources
-    (``close()`` or ``with``) to stop their workers; synthetic data needs no closing."""
+    request, in order (JSONL workers prepare them ahead). ``seed`` is the run's
+    (``RunSettings.seed_for``; None: the recipe's), which also initialises the weights.
+    Close file-backed sources (``close()`` or ``with``) to stop their workers; synthetic
+    data needs no closing."""
+    seed = recipe.training.seed if seed is None else seed
     if cfg.kind == "synthetic":
         validate_data_config(cfg, recipe)
-        return SyntheticTokens(recipe.model.vocab_size, recipe.model.seq_length,
-                               recipe.training.seed)
+        return SyntheticTokens(recipe.model.vocab_size, recipe.model.seq_length, seed)
     if cfg.kind == "indexed":
-        return PackedSampleSource(_indexed_samples(cfg, recipe, validate_data_config(cfg, recipe)),
+        tokenizer = validate_data_config(cfg, recipe)
+        return PackedSampleSource(_indexed_samples(cfg, recipe, tokenizer, seed),
                                   recipe.model.vocab_size)
     summary = prepare_data(cfg, recipe)
     spec = JsonlSpec(summary.index_path, str(Path(cfg.tokenizer).resolve()),
-                     recipe.model.seq_length, recipe.training.seed, cfg.shuffle)
+                     recipe.model.seq_length, seed, cfg.shuffle)
     return PrefetchedSamples(spec, indices, cfg.prefetch_depth, cfg.workers)
 

@@ -4,8 +4,9 @@ A rank's state is its model shards (mcore ShardedTensors) and, for each of them,
 matching slices of AdamW's moments, stored under ``optimizer.exp_avg.<key>`` and
 ``optimizer.exp_avg_sq.<key>``. Each is a global tensor in the checkpoint, so any
 layout can load them. The manifest records what a resume needs besides tensors: the
-model config (checked on load), the layout at save time, the data position, the
-optimizer's hyper-parameters and step count, and the RNG state.
+model config (checked on load), the layout at save time, the data source (checked on
+load: another corpus or tokenizer is refused) and position, the optimizer's
+hyper-parameters and step count, and the RNG state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from elastor_mcore import checkpoint
 from elastor_mcore.checkpoint import ChunkPolicy, CheckpointError, LocalShard, Manifest
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.config.run import DataConfig
+from elastor_mcore.data.source import fingerprint_change
 from elastor_mcore.parallel.shards import owning_parameter, sharded_tensors, view_like
 
 log = logging.getLogger(__name__)
@@ -69,9 +72,17 @@ def _decode_rng(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
 
 
+def data_fields(data: DataConfig, seed: int) -> dict:
+    """The data source as a checkpoint records it (manifest key ``data``): what the
+    samples came from and the fingerprint a resume compares (``check_resumable``)."""
+    return {"kind": data.kind, "paths": [str(Path(p).resolve()) for p in data.paths],
+            "tokenizer": str(Path(data.tokenizer).resolve()) if data.tokenizer else None,
+            "fingerprint": data.fingerprint, "shuffle": data.shuffle, "seed": seed}
+
+
 def manifest_fields(recipe: Recipe, layout: Layout, step: int, seed: int,
                     optimizer: torch.optim.Optimizer) -> dict:
-    """The non-tensor state a resume needs (plain JSON)."""
+    """The non-tensor state a resume needs (plain JSON); the run adds ``data_fields``."""
     return {
         "model": asdict(recipe.model),
         "layout": layout.to_dict(),
@@ -91,9 +102,25 @@ def chunk_policy(recipe: Recipe) -> ChunkPolicy:
     return ChunkPolicy(split_sizes=tuple(recipe.model.valid_tp_sizes))
 
 
-def check_resumable(manifest: Manifest, recipe: Recipe, seed: int) -> None:
-    """Refuse a checkpoint from another model or another data order, naming the field."""
+def check_resumable(manifest: Manifest, recipe: Recipe, seed: int,
+                    data: DataConfig | None = None, allow_data_change: bool = False) -> None:
+    """Refuse a checkpoint from another model or another data order, naming the field;
+    with ``data``, also one saved on another corpus or tokenizer, unless
+    ``allow_data_change`` (then a warning says what changed)."""
     checkpoint.check_compatible(manifest, asdict(recipe.model))
+    saved_data = manifest.extra.get("data", {})
+    if data is not None and saved_data.get("fingerprint") and data.fingerprint:
+        change = fingerprint_change(saved_data["fingerprint"], data.fingerprint)
+        if change and allow_data_change:
+            log.warning("resuming step %d on other data (--allow-data-change): %s; the sample "
+                        "stream from here on is not the one the checkpoint trained on",
+                        manifest.step, change)
+        elif change:
+            raise CheckpointError(
+                f"checkpoint of step {manifest.step} was saved on other data: {change} (saved "
+                f"with {saved_data['kind']} {' '.join(saved_data['paths'])}, tokenizer "
+                f"{saved_data['tokenizer']}). Resume on the checkpoint's data, start from "
+                f"scratch, or pass --allow-data-change to continue on the new data on purpose")
     saved = manifest.extra.get("training", {})
     run = {"global_batch_size": recipe.training.global_batch_size, "seed": seed}
     for field, value in run.items():

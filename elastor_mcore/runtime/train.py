@@ -20,8 +20,10 @@ from elastor_mcore import checkpoint
 from elastor_mcore.runtime.state import (
     check_resumable, chunk_policy, describe_load, manifest_fields, restore_non_tensor_state,
     state_shards)
-from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_micro_batches,
-                                        pipeline_sample_indices)
+from elastor_mcore.runtime.state import data_fields
+from elastor_mcore.config.run import DataConfig
+from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_sample_indices,
+                                        tp_shared_micro_batches)
 from elastor_mcore.data.source import build_sample_source
 from elastor_mcore.runtime.grad_sync import GradientSynchronizer
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
@@ -44,6 +46,7 @@ class StepMetrics:
     time_s: float           # wall time of the step on the reporting rank
     save_block_s: float | None = None  # time the save after this step blocked training
     save_in_flight: bool = False       # a background save was running as the step began
+    data_wait_s: float = 0.0           # time the step took to get its micro-batches
 
 
 @dataclass
@@ -97,6 +100,8 @@ class StageRunner:
     device: torch.device
     mask: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)
+    data_wait_s: float = field(init=False, default=0.0)
+    """Time the last ``train_step`` took to get its micro-batches (waiting on data)."""
 
     def __post_init__(self) -> None:
         seq, mbs = self.recipe.model.seq_length, self.recipe.training.micro_batch_size
@@ -110,9 +115,12 @@ class StageRunner:
         training = recipe.training
         pipeline = groups.layout.pipelines[groups.position.pipeline]
         needs_data = groups.is_first_stage or groups.is_last_stage
-        micro = pipeline_micro_batches(
-            source, groups.layout, groups.position.pipeline, step,
-            training.global_batch_size, training.micro_batch_size) if needs_data else []
+        began = time.perf_counter()
+        micro = tp_shared_micro_batches(
+            source, groups.layout, groups.position.pipeline, step, training.global_batch_size,
+            training.micro_batch_size, recipe.model.seq_length + 1, groups.tp,
+            self.device) if needs_data else []
+        self.data_wait_s = time.perf_counter() - began
         tokens_per_batch = training.global_batch_size * recipe.model.seq_length
         loss_sum = torch.zeros((), dtype=torch.float64)
 
@@ -188,11 +196,13 @@ def train_steps(runner: StageRunner, source: SampleSource, steps: range,
     return metrics
 
 
-def resume(runner: StageRunner, load_dir: str, seed: int) -> int:
-    """Load the latest committed step into this rank's state; returns that step."""
+def resume(runner: StageRunner, load_dir: str, seed: int, data: DataConfig | None = None,
+           allow_data_change: bool = False) -> int:
+    """Load the latest committed step into this rank's state; returns that step. With
+    ``data``, a checkpoint saved on other data is refused (see ``check_resumable``)."""
     reader = checkpoint.open(load_dir)
     path, manifest = reader.path, reader.manifest
-    check_resumable(manifest, runner.recipe, seed)
+    check_resumable(manifest, runner.recipe, seed, data, allow_data_change)
     checkpoint.load(path, state_shards(runner.model, runner.optimizer),
                     group=runner.groups.active)
     restore_non_tensor_state(manifest, runner.optimizer)
@@ -212,22 +222,25 @@ def save(runner: StageRunner, cfg: RunConfig, saver: checkpoint.CheckpointManage
          step: int) -> checkpoint.SaveReport:
     """Save the state after ``step`` steps (see ``SavePolicy`` for when it commits)."""
     return saver.save(step, state_shards(runner.model, runner.optimizer),
-                      manifest_fields(cfg.recipe, cfg.layout, step, cfg.seed, runner.optimizer))
+                      {**manifest_fields(cfg.recipe, cfg.layout, step, cfg.seed, runner.optimizer),
+                       "data": data_fields(cfg.settings.data, cfg.seed)})
 
 
 def open_sample_source(runner: StageRunner, cfg: RunConfig, start: int) -> SampleSource:
-    """This rank's samples from step ``start`` on. Only the first stage (tokens) and the
-    last (labels) read data; a corpus source prepares exactly their samples ahead."""
+    """This rank's samples from step ``start`` on. Only the first rank of a first stage
+    (tokens) or a last stage (labels) reads data, for its TP group
+    (``tp_shared_micro_batches``); a corpus source prepares exactly its samples ahead."""
     model_cfg = cfg.recipe.model
     groups = runner.groups
-    reads_data = groups.is_first_stage or groups.is_last_stage
+    reads_data = (groups.is_first_stage or groups.is_last_stage) \
+        and groups.position.tp_rank == 0
     if cfg.settings.data.kind == "synthetic" or not reads_data:
         return SyntheticTokens(model_cfg.vocab_size, model_cfg.seq_length, cfg.seed)
     training = cfg.recipe.training
     indices = pipeline_sample_indices(cfg.layout, groups.position.pipeline,
                                       training.global_batch_size, training.micro_batch_size,
                                       start, cfg.settings.steps)
-    return build_sample_source(cfg.settings.data, cfg.recipe, indices)
+    return build_sample_source(cfg.settings.data, cfg.recipe, indices, cfg.seed)
 
 
 def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
@@ -237,7 +250,8 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     if runner is None:
         return []
     load_start = time.perf_counter()
-    start = resume(runner, cfg.settings.load_dir, cfg.seed) if cfg.settings.load_dir else 0
+    start = resume(runner, cfg.settings.load_dir, cfg.seed, cfg.settings.data,
+                   cfg.settings.allow_data_change) if cfg.settings.load_dir else 0
     load_s = time.perf_counter() - load_start
     if cfg.settings.save_dir and runner.groups.rank == min(cfg.layout.ranks):
         checkpoint.remove_stale(cfg.settings.save_dir)
@@ -256,7 +270,8 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
             report = save(runner, cfg, saver, done)
             block_s = None if report.skipped else report.block_s
         for m in reported:
-            m = replace(m, save_block_s=block_s, save_in_flight=in_flight)
+            m = replace(m, save_block_s=block_s, save_in_flight=in_flight,
+                        data_wait_s=runner.data_wait_s)
             metrics.append(m)
             if cfg.on_step:
                 cfg.on_step(m)

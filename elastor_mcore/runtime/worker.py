@@ -62,7 +62,8 @@ class MetricsPrinter:
 
     def __call__(self, m: StepMetrics) -> None:
         record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm,
-                  "time_s": m.time_s, "save_block_s": m.save_block_s,
+                  "time_s": m.time_s, "data_wait_s": m.data_wait_s,
+                  "save_block_s": m.save_block_s,
                   "save_in_flight": m.save_in_flight}
         line = (f"step {m.step:5d}  loss {m.loss:.6f}  grad_norm {m.grad_norm:.4f}  "
                 f"time {m.time_s:.3f}s")
