@@ -45,6 +45,18 @@ def test_aligned_reshard_reads_only_what_it_needs(world):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["halves", "whole"])
+def test_replicas_read_once_per_job(world, layout):
+    """Ranks needing the same bytes (replicas) share one read: storage serves the job
+    each byte about once, not once per replica."""
+    job_read = sum(report[layout]["bytes_read"] for report in world["ranks"])
+    unique = world["ranks"][0][layout]["tensor_bytes"]
+    needed = sum(report[layout]["bytes_needed"] for report in world["ranks"])
+    assert needed >= 2 * unique
+    assert amplification(job_read, unique) <= MAX_READ_AMPLIFICATION
+
+
+@pytest.mark.timeout(300)
 def test_subgroup_save_without_idle_rank(world):
     for report in world["ranks"]:
         assert report["subgroup"] == {"mismatches": [], "writers": 3}

@@ -1,8 +1,9 @@
 """Load: range reads of exactly the boxes a rank needs, straight into its tensors.
 
-A rank's reads are issued together as one TensorStore batch (so reads of one file are
-coalesced) into the destination tensors' own memory, then awaited together. Only
-committed steps are ever read.
+Tensors in elastor's own layout are read by ``fast_read`` (``preadv`` of inner chunks
+into the destination, crc32c checked in place); anything else is issued as one
+TensorStore batch (so reads of one file are coalesced) into the destination tensors'
+own memory, then awaited together. Only committed steps are ever read.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import Sequence
 import tensorstore as ts
 import torch
 
-from elastor_mcore.checkpoint import comm
+from elastor_mcore.checkpoint import comm, fast_read
 from elastor_mcore.checkpoint.format import (
-    CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
-from elastor_mcore.checkpoint.plan import LocalShard
+    DTYPE_ITEMSIZE, CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
+from elastor_mcore.checkpoint.plan import LocalShard, WriteUnit, assign_writers
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
-from elastor_mcore.geometry import Box
+from elastor_mcore.geometry import Box, common_refinement, local_view
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
     """Fill every target's ``data`` in place with the checkpoint's bytes for its box.
 
     Called by every rank of ``group`` (default: the world). With a root directory,
-    rank 0 of the group picks the step so all ranks read the same one.
+    rank 0 of the group picks the step so all ranks read the same one. Bytes that
+    several ranks need (data-parallel replicas, TP replicas of norms) are read from
+    storage by one of them and sent to the others (``SharedReads``).
     """
     error, step_dir = None, None
     if comm.is_coordinator(group):
@@ -82,16 +85,135 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
     error, manifest = None, None
     try:
         manifest = read_manifest(step_dir)
-        read_boxes(step_dir, manifest, targets)
+        check_targets(step_dir, manifest, targets)
     except CheckpointError as exc:
         error = exc
     comm.agree(error, f"checkpoint load from {step_dir}", group)
-    log.info("loaded %d shards from %s", len(targets), step_dir)
+
+    shared = SharedReads.plan(targets, group)
+    try:
+        read_boxes(step_dir, manifest, shared.reads, checked=True)
+    except CheckpointError as exc:
+        error = exc
+    comm.agree(error, f"checkpoint load from {step_dir}", group)
+    shared.exchange()
+    log.info("loaded %d shards from %s: read %d bytes, received %d, sent %d",
+             len(targets), step_dir, shared.read_bytes, shared.received_bytes,
+             shared.sent_bytes)
     return manifest
 
 
-def read_boxes(step_dir: Path, manifest: Manifest, targets: Sequence[LocalShard]) -> None:
-    """Issue one batched read per target into its ``data``, then wait for all."""
+@dataclass
+class _Piece:
+    """One cell of the common refinement as this rank holds it: the views of every
+    local target containing it (the first is filled, the others copy it)."""
+
+    target: LocalShard
+    """The cell as a read target: a view of the first local target containing it."""
+    copies: list[torch.Tensor]
+    reader: int
+
+
+class SharedReads:
+    """Who reads which bytes of a collective load, so storage serves each byte once.
+
+    The targets of all ranks are cut into the cells of their common refinement; a cell
+    held by several ranks is read by one of them (largest first, to the holder that
+    reads the fewest bytes so far, as the writer's plan assigns writers), which sends
+    it to the others: one message per pair of ranks, the cells packed in plan order.
+    Needs a group whose backend carries CPU tensors (gloo); under any other backend
+    every rank reads all it needs.
+    """
+
+    def __init__(self, rank: int, pieces: list[_Piece], sends: dict[int, list[torch.Tensor]],
+                 group) -> None:
+        self.rank, self.group = rank, group
+        self.pieces, self.sends = pieces, sends
+        self.reads = [p.target for p in pieces if p.reader == rank]
+        self.read_bytes = sum(_nbytes(t.data) for t in self.reads)
+        self.received_bytes = sum(_nbytes(p.target.data) for p in pieces if p.reader != rank)
+        self.sent_bytes = sum(_nbytes(v) for views in sends.values() for v in views)
+
+    @staticmethod
+    def plan(targets: Sequence[LocalShard], group=None) -> "SharedReads":
+        """Collective over ``group`` (one ``all_gather_object`` of shard boxes) when its
+        backend can carry the bytes; local otherwise."""
+        rank = comm.global_rank()
+        local = [t.info() for t in targets]
+        infos = comm.gather_infos(local, group) if _carries_cpu(group) else {rank: local}
+        dtypes = {i.key: i.dtype for rank_infos in infos.values() for i in rank_infos}
+        units = [WriteUnit(c.key, c.box, c.holders, c.box.numel * DTYPE_ITEMSIZE[dtypes[c.key]])
+                 for c in common_refinement(infos)]
+        by_key: dict[str, list[LocalShard]] = {}
+        for target in targets:
+            by_key.setdefault(target.key, []).append(target)
+        pieces, sends = [], {}
+        for unit in assign_writers(units):
+            if rank not in unit.holders:
+                continue
+            held = by_key[unit.key]
+            views = [local_view(t.data, t.box, unit.box) for t in held if t.box.contains(unit.box)]
+            pieces.append(_Piece(LocalShard(unit.key, held[0].global_shape, unit.box.offset,
+                                            views[0]),
+                                 views[1:], unit.writer))
+            if unit.writer == rank:
+                for peer in unit.holders:
+                    if peer != rank:
+                        sends.setdefault(peer, []).append(views[0])
+        return SharedReads(rank, pieces, sends, group)
+
+    def exchange(self) -> None:
+        """Send what this rank read to the other holders, receive the rest, then fill
+        each rank's local duplicates. Collective: every rank calls it after its reads."""
+        receives: dict[int, list[torch.Tensor]] = {}
+        for piece in self.pieces:
+            if piece.reader != self.rank:
+                receives.setdefault(piece.reader, []).append(piece.target.data)
+        if self.sends or receives:
+            import torch.distributed as dist
+
+            ops, inbox = [], {}
+            for peer, views in sorted(self.sends.items()):
+                packed = torch.empty(sum(_nbytes(v) for v in views), dtype=torch.uint8)
+                for flat, view in _packed_slices(packed, views):
+                    flat.copy_(view)
+                ops.append(dist.P2POp(dist.isend, packed, peer, self.group))
+            for peer, views in sorted(receives.items()):
+                inbox[peer] = torch.empty(sum(_nbytes(v) for v in views), dtype=torch.uint8)
+                ops.append(dist.P2POp(dist.irecv, inbox[peer], peer, self.group))
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            for peer, views in receives.items():
+                for flat, view in _packed_slices(inbox[peer], views):
+                    view.copy_(flat)
+        for piece in self.pieces:
+            for copy in piece.copies:
+                copy.copy_(piece.target.data)
+
+
+def _carries_cpu(group) -> bool:
+    import torch.distributed as dist
+
+    return (dist.is_available() and dist.is_initialized()
+            and "gloo" in str(dist.get_backend(group)))
+
+
+def _nbytes(view: torch.Tensor) -> int:
+    return view.numel() * view.element_size()
+
+
+def _packed_slices(packed: torch.Tensor, views: list[torch.Tensor]):
+    """Pairs of (slice of the flat byte buffer ``packed``, as the view's dtype and
+    shape; the view), the views laid out one after another."""
+    start = 0
+    for view in views:
+        n = _nbytes(view)
+        yield packed[start:start + n].view(view.dtype).view(view.shape), view
+        start += n
+
+
+def check_targets(step_dir: Path, manifest: Manifest, targets: Sequence[LocalShard]) -> None:
+    """Raise ``CheckpointError`` naming the tensor when a target does not fit the step."""
     for target in targets:
         entry = _entry(manifest, target.key, step_dir)
         if tuple(target.global_shape) != entry.shape:
@@ -104,11 +226,29 @@ def read_boxes(step_dir: Path, manifest: Manifest, targets: Sequence[LocalShard]
                 f"tensor {target.key}: the run holds {target.dtype}, {step_dir} stores "
                 f"{entry.dtype}; load into a {entry.dtype} tensor and convert")
         target.validate()
-    keys = {t.key for t in targets}
+
+
+def read_boxes(step_dir: Path, manifest: Manifest, targets: Sequence[LocalShard], *,
+               fast: bool = True, checked: bool = False) -> None:
+    """Fill every target's ``data`` with its box: through ``fast_read`` where it
+    handles the tensor (and ``fast``), else one batched TensorStore read per target.
+    ``checked``: ``check_targets`` has passed already."""
+    if not checked:
+        check_targets(step_dir, manifest, targets)
+    direct: list[LocalShard] = []
+    rest: list[LocalShard] = []
+    for target in targets:
+        handled = fast and fast_read.handles(manifest.tensors[target.key], target)
+        (direct if handled else rest).append(target)
+    if direct:
+        fast_read.read_targets(step_dir, manifest.tensors, direct)
+    if not rest:
+        return
+    keys = {t.key for t in rest}
     arrays = open_arrays(step_dir, {k: manifest.tensors[k] for k in keys}, create=False)
     futures = []
     with ts.Batch() as batch:
-        for target in targets:
+        for target in rest:
             dest = ts.array(numpy_view(target.data), copy=False, write=True)
             source = arrays[target.key][target.box.slices()]
             futures.append((target.key, dest.write(source, batch=batch).commit))

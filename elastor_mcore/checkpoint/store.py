@@ -12,6 +12,7 @@ import numpy as np
 import tensorstore as ts
 import torch
 
+from elastor_mcore.checkpoint import fast_read
 from elastor_mcore.checkpoint.format import CheckpointError, TensorEntry, array_spec
 
 IO_CONCURRENCY = 16
@@ -77,6 +78,8 @@ def wait_all(futures: Iterable[tuple[str, ts.Future]], action: str) -> list:
 
 
 def storage_bytes_read() -> int:
-    """Bytes this process has read through TensorStore's ``file`` kvstore so far."""
+    """Bytes this process has read from checkpoint files so far: through TensorStore's
+    ``file`` kvstore and through ``fast_read``."""
     metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-    return sum(int(v.get("value", 0)) for m in metrics for v in m["values"])
+    return (sum(int(v.get("value", 0)) for m in metrics for v in m["values"])
+            + fast_read.bytes_read())

@@ -113,7 +113,8 @@ def main() -> None:
         report[how] = dict(
             mismatches=mismatches(targets),
             bytes_read=ck.storage_bytes_read() - before,
-            bytes_needed=sum(t.data.numel() * t.data.element_size() for t in targets))
+            bytes_needed=sum(t.data.numel() * t.data.element_size() for t in targets),
+            tensor_bytes=sum(truth(k).numel() * truth(k).element_size() for k in TENSORS))
 
     # A sub-group that leaves rank 0 idle: it neither calls save nor blocks it.
     holders = dist.new_group([1, 2, 3])
