@@ -1,14 +1,19 @@
-"""Benchmark the JSONL data pipeline: index build, background throughput, waits, resume.
+"""Benchmark the JSONL data pipeline: index build, waits under real training, resume.
 
-    python tools/bench_data.py [--work DIR] [--corpus-mb 64] [--step-time 0.5]
+    python tools/bench_data.py [--work DIR] [--corpus-mb 64] [--steps 15] [--repeats 3]
 
 Makes (once) a corpus of at least --corpus-mb MB from the Python sources on this
 machine and a BPE tokenizer, then reports:
 
 1. the document index build (one tokenisation pass over the corpus, all CPUs);
-2. the background pipeline feeding a simulated training loop (one rank taking every
-   sample of each global batch, sleeping --step-time per step): tokens/s of the
-   workers and the steps that waited on data after the first one (goal: 0);
+2. the background worker under a real training step: ``elastor train`` on the tiny
+   recipe (with --seq-length, --global-batch and the tokenizer's vocabulary), one
+   rank taking every sample, --repeats times. From each run's ``data_wait_s`` (the
+   time the training loop spent getting a step's micro-batches) come the steps after
+   the first that waited longer than --wait-threshold and the time waited; from the
+   process tree, sampled while it runs, the CPU seconds of the packing worker and of
+   the rank (they compete for the same cores). Goal: 0 steps wait after the first.
+   Figures are the median over the runs;
 3. resuming at 90% of the corpus: time from nothing to the first global batch
    (worker start-up included) against the time re-tokenising everything before that
    position would take at the index build's measured rate (goal: under 1 s).
@@ -21,10 +26,15 @@ import json
 import os
 import resource
 import shutil
+import statistics
+import subprocess
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+
+import psutil
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -84,6 +94,75 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def _process_kind(process: psutil.Process) -> str:
+    cmdline = " ".join(process.cmdline())
+    if "elastor_mcore.data.workers" in cmdline:
+        return "worker"
+    return "rank" if "elastor_mcore.runtime.worker" in cmdline else "launcher"
+
+
+def _train_once(recipe_path: Path, cfg: DataConfig, steps: int, out: Path) -> dict:
+    """One ``elastor train`` run; its per-step metrics and the CPU seconds of each kind
+    of process in its tree (sampled every 0.2 s: a process that exits loses at most
+    that much)."""
+    metrics = out / "metrics.jsonl"
+    argv = [sys.executable, "-m", "elastor_mcore.cli", "train", "--recipe", str(recipe_path),
+            "--layout", "dp1-tp1-pp1", "--steps", str(steps), "--metrics-out", str(metrics),
+            "--data", *cfg.paths, "--tokenizer", cfg.tokenizer,
+            "--data-workers", str(cfg.workers), "--prefetch-depth", str(cfg.prefetch_depth)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cpu: dict[int, tuple[str, float]] = {}
+    began = time.monotonic()
+    with open(out / "train.log", "w") as log, subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT) as proc:
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                tree = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            for p in tree:
+                try:
+                    times = p.cpu_times()
+                    cpu[p.pid] = (cpu[p.pid][0] if p.pid in cpu else _process_kind(p),
+                                  times.user + times.system)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    pass
+            time.sleep(0.2)
+    if proc.returncode:
+        raise SystemExit(f"elastor train failed (exit {proc.returncode}); see {out / 'train.log'}")
+    by_kind = {k: sum(c for kind, c in cpu.values() if kind == k)
+               for k in ("worker", "rank", "launcher")}
+    return {"steps": [json.loads(line) for line in metrics.read_text().splitlines()],
+            "wall_s": time.monotonic() - began, "cpu_s": by_kind}
+
+
+def _waits(run: dict, threshold: float) -> dict:
+    """Data-wait figures of one run, the first step (start-up) left out."""
+    later = run["steps"][1:]
+    waits = [s["data_wait_s"] for s in later]
+    train_s = sum(s["time_s"] for s in later)
+    return {"step_s": statistics.median(s["time_s"] for s in later),
+            "first_step_data_wait_s": run["steps"][0]["data_wait_s"],
+            "steps_waited": sum(w > threshold for w in waits),
+            "time_waited_s": sum(w for w in waits if w > threshold),
+            "max_data_wait_s": max(waits), "median_data_wait_s": statistics.median(waits),
+            "worker_cpu_s": run["cpu_s"]["worker"], "rank_cpu_s": run["cpu_s"]["rank"],
+            "worker_cores": run["cpu_s"]["worker"] / run["wall_s"],
+            "worker_cpu_share": run["cpu_s"]["worker"] / (run["cpu_s"]["worker"]
+                                                          + run["cpu_s"]["rank"]),
+            "train_s": train_s}
+
+
+def _recipe_yaml(args: argparse.Namespace, path: Path) -> Path:
+    """tiny-llama.yaml with this benchmark's vocabulary, sequence length and batch."""
+    data = yaml.safe_load((ROOT / "recipes" / "tiny-llama.yaml").read_text())
+    data["model"].update(vocab_size=args.vocab_size, seq_length=args.seq_length)
+    data["training"]["global_batch_size"] = args.global_batch
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/elastor-bench-data",
@@ -92,11 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--tokenizer-mb", type=float, default=8.0,
                         help="MB of text the tokenizer learns from")
-    parser.add_argument("--seq-length", type=int, default=1024)
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--step-time", type=float, default=0.5,
-                        help="simulated seconds of compute per training step")
-    parser.add_argument("--steps", type=int, default=60, help="simulated training steps")
+    parser.add_argument("--seq-length", type=int, default=512)
+    parser.add_argument("--global-batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=15, help="training steps per run")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="training runs; figures are their median")
+    parser.add_argument("--wait-threshold", type=float, default=0.01, metavar="S",
+                        help="a step whose micro-batches took longer than S seconds waited "
+                             "on data (default 0.01: packed samples take about a ms)")
     parser.add_argument("--data-workers", type=int, default=1)
     parser.add_argument("--prefetch-depth", type=int, default=256)
     parser.add_argument("--index-workers", type=int, default=os.cpu_count() or 1)
@@ -134,34 +216,35 @@ def main(argv: list[str] | None = None) -> int:
     cached = prepare_data(cfg, recipe)
     print(f"  reloading the cached index: {cached.seconds * 1e3:.0f} ms")
 
-    # 2. Background pipeline under a simulated training loop.
-    print(f"simulated training: {args.steps} steps of {args.step_time:g} s, "
+    # 2. The background worker under real training steps.
+    recipe_path = _recipe_yaml(args, work / "bench-recipe.yaml")
+    print(f"training: {args.repeats} x elastor train, {args.steps} steps of global batch {G} x "
+          f"seq_length {args.seq_length} (tiny-llama, vocab {args.vocab_size}), "
           f"{args.data_workers} data worker(s), prefetch depth {args.prefetch_depth} ...",
           flush=True)
-    indices = pipeline_sample_indices(layout, 0, G, 1, 0, args.steps)
-    waited_steps, worst = 0, 0.0
-    began = time.monotonic()
-    with build_sample_source(cfg, recipe, indices) as source:
-        for step in range(args.steps):
-            before = source.stats.waits_after_warmup
-            t0 = time.monotonic()
-            for i in range(step * G, step * G + G):
-                source.sample(i)
-            fetch = time.monotonic() - t0
-            if source.stats.chunks_from_workers > 1:   # warm-up is over
-                worst = max(worst, fetch)
-                waited_steps += source.stats.waits_after_warmup > before
-            time.sleep(args.step_time)
-        stats = source.stats
-    elapsed = time.monotonic() - began
-    consumed_rate = args.steps * G * args.seq_length / elapsed
-    print(f"  warm-up {stats.warmup_seconds:.2f} s ({stats.samples_packed_locally} samples packed "
-          f"in the trainer meanwhile); steps that waited on data after warm-up: {waited_steps} "
-          f"of {args.steps} (slowest fetch {worst * 1e3:.1f} ms)")
-    print(f"  workers tokenised {stats.worker_tokens:,} tokens at "
-          f"{stats.tokens_per_worker_second:,.0f} tokens/s per busy worker "
-          f"({stats.tokens_per_worker_cpu_second:,.0f} per CPU second); training consumed "
-          f"{consumed_rate:,.0f} tokens/s")
+    runs = []
+    for r in range(args.repeats):
+        out = work / f"train-{r}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+        runs.append(_waits(_train_once(recipe_path, cfg, args.steps, out), args.wait_threshold))
+        print(f"  run {r + 1}: {runs[-1]['steps_waited']} of {args.steps - 1} steps waited, "
+              f"{runs[-1]['time_waited_s']:.3f} s; step {runs[-1]['step_s']:.2f} s; worker "
+              f"{runs[-1]['worker_cpu_s']:.1f} CPU s, rank {runs[-1]['rank_cpu_s']:.1f} CPU s; "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
+    train = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+    consumed_rate = G * args.seq_length / train["step_s"]
+    print(f"  median: steps that waited on data after the first (> {args.wait_threshold * 1e3:g} "
+          f"ms): {train['steps_waited']:g} of {args.steps - 1}, {train['time_waited_s']:.3f} s "
+          f"waited; data time per step median {train['median_data_wait_s'] * 1e3:.1f} ms, max "
+          f"{train['max_data_wait_s'] * 1e3:.1f} ms (first step "
+          f"{train['first_step_data_wait_s']:.2f} s, start-up)")
+    print(f"  step {train['step_s']:.2f} s ({consumed_rate:,.0f} tokens/s consumed); packing "
+          f"worker {train['worker_cpu_s']:.1f} CPU s = {train['worker_cores']:.2f} of a core "
+          f"over the run, {train['worker_cpu_share']:.1%} of the CPU the rank and its worker "
+          f"used (rank {train['rank_cpu_s']:.1f} CPU s); at the index build's "
+          f"{index_cpu_rate:,.0f} tokens per CPU second, keeping up takes "
+          f"{consumed_rate / index_cpu_rate:.1%} of a core")
 
     # 3. Resume at 90 % of the corpus.
     step = int(0.9 * summary.samples_per_epoch) // G
@@ -195,12 +278,9 @@ def main(argv: list[str] | None = None) -> int:
                "tokens": summary.tokens, "index_build_s": summary.seconds,
                "index_build_cpu_s": index_cpu, "index_tokens_per_s": index_rate,
                "index_tokens_per_cpu_s": index_cpu_rate, "index_reload_s": cached.seconds,
-               "warmup_s": stats.warmup_seconds, "steps": args.steps,
-               "step_time_s": args.step_time, "steps_waited_after_warmup": waited_steps,
-               "slowest_fetch_after_warmup_s": worst,
-               "worker_tokens_per_s": stats.tokens_per_worker_second,
-               "worker_tokens_per_cpu_s": stats.tokens_per_worker_cpu_second,
-               "consumed_tokens_per_s": consumed_rate, "resume_step": step,
+               "steps": args.steps, "repeats": args.repeats,
+               "wait_threshold_s": args.wait_threshold, "train_median": train,
+               "train_runs": runs, "consumed_tokens_per_s": consumed_rate, "resume_step": step,
                "resume_locate_s": locate_seconds, "resume_first_batch_s": resume_seconds,
                "resume_first_batch_cpu_s": resume_cpu, "resume_documents_tokenised": documents,
                "resume_documents_needed": len(needed), "retokenise_estimate_s": retokenize,
