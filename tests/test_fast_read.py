@@ -113,13 +113,16 @@ def test_absent_chunks_and_files_read_as_fill_value(tmp_path):
 
 
 def test_saved_checkpoint_loads_through_fast_path(tmp_path):
+    """A strided target and an overlapping parameter (its overlap filled by a copy)."""
     full = torch.randn(192, 64).to(torch.bfloat16)
     ck.save(tmp_path, 1, [ck.LocalShard("w", (192, 64), (lo, 0), full[lo:lo + 48].clone())
                           for lo in range(0, 192, 48)])
     before_fast, before_all = fast_read.bytes_read(), ck.storage_bytes_read()
     out = torch.empty(64, 192, dtype=torch.bfloat16).t()[:, 16:48]  # strided columns
-    ck.load(tmp_path, [ck.LocalShard("w", (192, 64), (0, 16), out)])
-    assert torch.equal(out, full[:, 16:48])
+    param = torch.nn.Parameter(torch.empty(100, 64, dtype=torch.bfloat16))  # overlaps out
+    ck.load(tmp_path, [ck.LocalShard("w", (192, 64), (0, 16), out),
+                       ck.LocalShard("w", (192, 64), (50, 0), param)])
+    assert torch.equal(out, full[:, 16:48]) and torch.equal(param.detach(), full[50:150])
     assert fast_read.bytes_read() - before_fast == ck.storage_bytes_read() - before_all > 0
 
 

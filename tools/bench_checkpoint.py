@@ -1,29 +1,31 @@
 """Benchmark checkpoint save and load: elastor vs Megatron-Core torch_dist, against
 the physical limits of this machine.
 
-    python tools/bench_checkpoint.py [--work DIR] [--out bench.json] [--scale small]
+    python tools/bench_checkpoint.py [--work DIR] [--out bench.json] [--scale medium]
+                                     [--phase all|save|matrix]
 
-One 4-rank gloo world holds the state of one Llama-shaped model (fp32 weights plus
-AdamW's two moments; the default shape moves ~1.4 GB per save) under TP2 x PP2 and
-measures, every figure barrier to barrier (the slowest rank):
+The state is one Llama-shaped model (12 heads, 12 query groups: TP 1, 2, 3 and 4 all
+valid) with fp32 weights plus AdamW's two moments, filled with random values.
 
-1. saves: elastor synchronous; elastor asynchronous (the blocking part, second save:
-   buffers allocated, plan cached) and its time to commit; torch_dist through
-   ``dist_checkpointing.save`` with ``FullyParallelSaveStrategyWrapper`` over the world,
-   of the same ``sharded_state_dict()``; a raw sequential write + fsync of the same
-   bytes (each rank its share); a plain memcpy of each rank's state into a reused
-   buffer (the floor of the blocking part);
-2. loads into the same layout and into a heterogeneous 3-rank layout (stage 0 TP2 on
-   ranks 0-1, stage 1 TP1 on rank 2; rank 3 idle), elastor vs torch_dist, and a raw
-   sequential read of the elastor files (the unique bytes). Before every load the
-   checkpoint's files are evicted from the page cache (``posix_fadvise DONTNEED``; the
-   files are clean after fsync), so loads start cold for our files. Bytes read are
-   ``/proc/self/io`` ``rchar`` (bytes returned by read syscalls: what each loader asks
-   of storage) and ``read_bytes`` (what the block device delivered), summed over ranks;
-3. file count and bytes on disk of both formats.
+1. saves (a 4-rank gloo world, TP2 x PP2): elastor synchronous; elastor asynchronous
+   (the blocking part, second save: buffers allocated, plan cached) and its time to
+   commit; torch_dist through ``dist_checkpointing.save`` with
+   ``FullyParallelSaveStrategyWrapper`` of the same ``sharded_state_dict()``; a raw
+   sequential write + fsync of the same bytes; a plain memcpy of each rank's state into
+   a reused buffer (the floor of the blocking part); file count and bytes on disk;
+2. the recovery matrix (an 8-rank gloo world, ``MATRIX``): per case, save under one
+   layout (elastor and torch_dist), load under another, each ``REPEATS`` times cold
+   (the checkpoint's files evicted with ``posix_fadvise DONTNEED``; they are clean
+   after fsync) and warm, and a raw sequential read of the elastor files split over
+   the loading ranks. Per load: wall (barrier to barrier), CPU seconds of every rank
+   (``getrusage``, all threads), bytes read: ``/proc/self/io`` ``rchar`` and
+   ``read_bytes`` summed over ranks, and for elastor the bytes its readers took from
+   the checkpoint files (``storage_bytes_read``; ``rchar`` would also count the
+   replicas' bytes received over gloo's sockets). Figures are medians.
 
-It prints a table and writes every figure and the ratios to ``--out`` (JSON). It is
-heavy (minutes, a few GB of RAM and disk): not part of the test suite.
+It prints a table and writes every figure and the ratios to ``--out`` (JSON), with the
+1-minute load average at the end of the run. It is heavy (minutes, GBs of RAM and
+disk): not part of the test suite.
 """
 
 from __future__ import annotations
@@ -42,15 +44,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MODELS = {
-    # ~114 M parameters: 1.37 GB of fp32 weights + moments.
-    "default": dict(num_layers=4, hidden_size=1024, num_attention_heads=16,
-                    num_query_groups=8, ffn_hidden_size=2816, vocab_size=32000),
+    # ~87 M parameters: 1.05 GB of fp32 weights + moments. 12 heads and 12 query groups
+    # allow TP 1, 2, 3 and 4 (the matrix's layouts).
+    "default": dict(num_layers=4, hidden_size=768, num_attention_heads=12,
+                    num_query_groups=12, ffn_hidden_size=3072, vocab_size=32000),
+    # ~16 M parameters, 0.19 GB: the matrix on a shared 2-core host.
+    "medium": dict(num_layers=4, hidden_size=384, num_attention_heads=12,
+                   num_query_groups=12, ffn_hidden_size=1536, vocab_size=8000),
     # A quick check of the tool itself.
-    "small": dict(num_layers=4, hidden_size=256, num_attention_heads=8,
-                  num_query_groups=4, ffn_hidden_size=704, vocab_size=4000),
+    "small": dict(num_layers=4, hidden_size=192, num_attention_heads=12,
+                  num_query_groups=12, ffn_hidden_size=768, vocab_size=2000),
 }
-HETERO = {"pipelines": [{"micro_batches": 8, "stages": [{"tp": 2, "layers": 2},
-                                                         {"tp": 1, "layers": 2}]}]}
+MATRIX = {
+    # case: (saved under, loaded under); every layout fits the matrix's 8-rank world.
+    "R0_same": ("dp2-tp2-pp2", "dp2-tp2-pp2"),
+    "R1_merge": ("dp1-tp2-pp2", "dp1-tp1-pp1"),
+    "R2_hetero7": ("dp1-tp2-pp4", {"pipelines": [{"micro_batches": 8, "stages": [
+        {"tp": 4, "layers": 2}, {"tp": 2, "layers": 1}, {"tp": 1, "layers": 1}]}]}),
+    "R3_tp1pp4_tp4pp2": ("dp1-tp1-pp4", "dp1-tp4-pp2"),
+    "R4_tp2_tp3": ("dp1-tp2-pp2", "dp1-tp3-pp2"),
+}
+MATRIX_RANKS = 8
+REPEATS = 3
 BLOCK = 16 << 20
 
 
@@ -167,6 +182,7 @@ def mcore_state_dict(runner) -> dict:
 
 
 def run_ranks(args: argparse.Namespace) -> None:
+    """The saves, in one 4-rank world under TP2 x PP2."""
     import torch
     import torch.distributed as dist
 
@@ -174,23 +190,18 @@ def run_ranks(args: argparse.Namespace) -> None:
     from elastor_mcore.runtime.state import chunk_policy, state_shards
     from elastor_mcore.compat import cpu
     from elastor_mcore.parallel.groups import GroupCache
-    from elastor_mcore.parallel.layout import layout_from_dict, uniform_layout
-    from elastor_mcore.config.recipe import recipe_from_dict
+    from elastor_mcore.parallel.layout import uniform_layout
 
     cpu.apply_if_needed()
     dist.init_process_group("gloo")
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelSaveStrategyWrapper)
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy)
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     w = World()
     work = Path(args.work)
-    recipe = recipe_from_dict({
-        "name": f"bench-{args.scale}",
-        "model": {**MODELS[args.scale], "seq_length": 128},
-        "training": {"global_batch_size": 8, "micro_batch_size": 1, "seed": 7}})
+    recipe = bench_recipe(args.scale)
     chunking = chunk_policy(recipe)
     cache = GroupCache()
     w.say(f"building the {args.scale} model ({recipe.model.parameter_count() / 1e6:.0f} M "
@@ -271,113 +282,223 @@ def run_ranks(args: argparse.Namespace) -> None:
     figures["elastor_async_bytes_staged_max_rank"] = w.max(written)
     del flat
 
-    # -- loads, same layout
-    targets = state_shards(runner.model, runner.optimizer)
-    needed_same = w.sum(state_bytes(targets))
-    w.say("loads into the same layout (cold for the checkpoint files) ...")
-    t, io = w.timed(lambda: ck.load(dirs["elastor_sync"], targets), dirs["elastor_sync"])
-    figures.update(elastor_load_s=t, elastor_load_rchar=io["rchar"],
-                   elastor_load_read_bytes=io["read_bytes"], load_bytes_needed=needed_same)
-    load_strategy = TorchDistLoadShardedStrategy()
-    t, io = w.timed(lambda: dist_checkpointing.load(mcore_state_dict(runner),
-                                                    str(dirs["torch_dist"]), load_strategy),
-                    dirs["torch_dist"])
-    figures.update(torch_dist_load_s=t, torch_dist_load_rchar=io["rchar"],
-                   torch_dist_load_read_bytes=io["read_bytes"])
-
-    # -- loads, resharded into the heterogeneous 3-rank layout
-    w.say("building the heterogeneous 3-rank layout (TP2 stage, TP1 stage; rank 3 idle) ...")
-    del runner, targets, sd, shards
-    hetero = build(recipe, layout_from_dict(HETERO), cache)
-    active = cache.get([0, 1, 2])
-    targets = state_shards(hetero.model, hetero.optimizer) if hetero else []
-    needed_hetero = w.sum(state_bytes(targets))
-    w.say("resharded loads ...")
-
-    def elastor_reshard() -> None:
-        if hetero is not None:
-            ck.load(dirs["elastor_sync"], targets, group=active)
-
-    t, io = w.timed(elastor_reshard, dirs["elastor_sync"])
-    figures.update(elastor_reshard_load_s=t, elastor_reshard_load_rchar=io["rchar"],
-                   elastor_reshard_load_read_bytes=io["read_bytes"],
-                   reshard_bytes_needed=needed_hetero)
-    hetero_sd = mcore_state_dict(hetero) if hetero else {}
-    t, io = w.timed(lambda: dist_checkpointing.load(hetero_sd, str(dirs["torch_dist"]),
-                                                    load_strategy), dirs["torch_dist"])
-    figures.update(torch_dist_reshard_load_s=t, torch_dist_reshard_load_rchar=io["rchar"],
-                   torch_dist_reshard_load_read_bytes=io["read_bytes"])
-
-    w.say("raw sequential read of the elastor files (the unique bytes) ...")
-    step_dir = dirs["elastor_sync"] / "step_00000001"
-    files = sorted(p for p in step_dir.rglob("*") if p.is_file())
-    buffer = bytearray(BLOCK)
-
-    def raw_read() -> None:
-        for path in files[dist.get_rank()::dist.get_world_size()]:
-            with open(path, "rb", buffering=0) as f:
-                while f.readinto(buffer):
-                    pass
-
-    t, io = w.timed(raw_read, step_dir)
-    figures.update(raw_read_s=t, raw_read_bytes=io["rchar"])
-
     if w.rank == 0:
+        step_dir = dirs["elastor_sync"] / "step_00000001"
         figures["elastor_files"], figures["elastor_bytes_on_disk"] = disk_usage(step_dir)
         figures["torch_dist_files"], figures["torch_dist_bytes_on_disk"] = \
             disk_usage(dirs["torch_dist"])
-        figures.update(ratios(figures))
         Path(args.out).write_text(json.dumps(figures, indent=1, sort_keys=True))
-        print_table(figures, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_recipe(scale: str):
+    from elastor_mcore.config.recipe import recipe_from_dict
+
+    return recipe_from_dict({
+        "name": f"bench-{scale}",
+        "model": {**MODELS[scale], "seq_length": 128},
+        "training": {"global_batch_size": 8, "micro_batch_size": 1, "seed": 7}})
+
+
+def make_layout(spec, recipe):
+    from elastor_mcore.parallel.layout import layout_from_dict, load_layout
+
+    if isinstance(spec, dict):
+        layout = layout_from_dict(spec)
+        layout.validate(recipe)
+        return layout
+    return load_layout(spec, recipe)
+
+
+def run_matrix(args: argparse.Namespace) -> None:
+    """The reshard matrix: per case, save under one layout (elastor and torch_dist),
+    load under another, cold and warm, ``REPEATS`` times each; and a raw read of the
+    elastor files split over the loading ranks."""
+    import resource
+    import statistics
+
+    import torch.distributed as dist
+
+    from elastor_mcore import checkpoint as ck
+    from elastor_mcore.compat import cpu
+    from elastor_mcore.parallel.groups import GroupCache
+    from elastor_mcore.runtime.state import chunk_policy, state_shards
+
+    cpu.apply_if_needed()
+    dist.init_process_group("gloo")
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper)
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy)
+
+    def cpu_s() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    w = World()
+    recipe = bench_recipe(args.scale)
+    chunking = chunk_policy(recipe)
+    cache = GroupCache()
+    figures: dict[str, float] = {}
+    for case, (save_spec, load_spec) in MATRIX.items():
+        w.say(f"{case}: save under {save_spec} ...")
+        base = Path(args.work) / case
+        dirs = {"elastor": base / "elastor", "torch_dist": base / "torch_dist"}
+        if w.rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+            dirs["torch_dist"].mkdir(parents=True)
+        dist.barrier()
+        runner = build(recipe, make_layout(save_spec, recipe), cache)
+        shards = state_shards(runner.model, runner.optimizer) if runner else []
+        group = runner.groups.active if runner else None
+        if runner:
+            ck.save(dirs["elastor"], 1, shards, {"model": {}}, group=group, keep=1,
+                    chunking=chunking)
+        dist.barrier()
+        strategy = FullyParallelSaveStrategyWrapper(
+            TorchDistSaveShardedStrategy("torch_dist", 1), dist.group.WORLD)
+        dist_checkpointing.save(mcore_state_dict(runner) if runner else {},
+                                str(dirs["torch_dist"]), sharded_strategy=strategy)
+        del runner, shards
+        w.say(f"{case}: load under {load_spec} ...")
+        runner = build(recipe, make_layout(load_spec, recipe), cache)
+        targets = state_shards(runner.model, runner.optimizer) if runner else []
+        group = runner.groups.active if runner else None
+        step_dir = dirs["elastor"] / "step_00000001"
+        unique = sum(e.nbytes for e in ck.open(step_dir).manifest.tensors.values())
+        figures[f"{case}_bytes_needed"] = w.sum(state_bytes(targets))
+        figures[f"{case}_bytes_unique"] = unique
+        files = sorted(p for p in step_dir.rglob("c/**/*") if p.is_file())
+        loaders = dist.get_process_group_ranks(group) if runner else []
+        buffer = bytearray(BLOCK)
+
+        def elastor() -> None:
+            if runner:
+                ck.load(dirs["elastor"], targets, group=group)
+
+        def torch_dist() -> None:
+            dist_checkpointing.load(mcore_state_dict(runner) if runner else {},
+                                    str(dirs["torch_dist"]), TorchDistLoadShardedStrategy())
+
+        def raw() -> None:
+            if runner:
+                mine = loaders.index(dist.get_rank())
+                for path in files[mine::len(loaders)]:
+                    with open(path, "rb", buffering=0) as f:
+                        while f.readinto(buffer):
+                            pass
+
+        for name, fn, where in (("elastor", elastor, dirs["elastor"]),
+                                ("torch_dist", torch_dist, dirs["torch_dist"]),
+                                ("raw", raw, dirs["elastor"])):
+            for mode in ("cold", "warm"):
+                rows = []
+                for _ in range(REPEATS):
+                    cpu0, stored0 = cpu_s(), ck.storage_bytes_read()
+                    wall, io = w.timed(fn, where if mode == "cold" else None)
+                    used = cpu_s() - cpu0
+                    rows.append(dict(wall_s=wall, cpu_s_max_rank=w.max(used),
+                                     cpu_s_sum=w.sum(used), rchar=io["rchar"],
+                                     read_bytes=io["read_bytes"],
+                                     storage_bytes=w.sum(ck.storage_bytes_read() - stored0)))
+                for key in rows[0]:
+                    figures[f"{case}_{name}_{mode}_{key}"] = statistics.median(
+                        r[key] for r in rows)
+                w.say(f"  {name:10s} {mode}: {figures[f'{case}_{name}_{mode}_wall_s']:.3f} s "
+                      f"wall, {figures[f'{case}_{name}_{mode}_cpu_s_sum']:.2f} CPU-s")
+        del runner, targets
+        dist.barrier()
+        if w.rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
+    if w.rank == 0:
+        figures["matrix_ranks"] = dist.get_world_size()
+        figures["repeats"] = REPEATS
+        Path(args.out).write_text(json.dumps(figures, indent=1, sort_keys=True))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def ratios(f: dict[str, float]) -> dict[str, float]:
-    return {
-        "save_speedup_vs_torch_dist": f["torch_dist_save_s"] / f["elastor_sync_save_s"],
-        "save_fraction_of_raw_write": f["raw_write_s"] / f["elastor_sync_save_s"],
-        "async_block_over_memcpy": f["elastor_async_block_s"] / f["memcpy_s"],
-        "load_speedup_vs_torch_dist": f["torch_dist_load_s"] / f["elastor_load_s"],
-        "reshard_load_speedup_vs_torch_dist":
-            f["torch_dist_reshard_load_s"] / f["elastor_reshard_load_s"],
-        "read_amplification": f["elastor_reshard_load_rchar"] / f["reshard_bytes_needed"],
-        "torch_dist_read_amplification":
-            f["torch_dist_reshard_load_rchar"] / f["reshard_bytes_needed"],
-    }
+    """The headline ratios (see docs/benchmarks.md for what each one means)."""
+    out = {}
+    if "elastor_sync_save_s" in f:
+        out.update(
+            save_speedup_vs_torch_dist=f["torch_dist_save_s"] / f["elastor_sync_save_s"],
+            save_fraction_of_raw_write=f["raw_write_s"] / f["elastor_sync_save_s"],
+            async_block_over_memcpy=f["elastor_async_block_s"] / f["memcpy_s"])
+    cases = [c for c in MATRIX if f"{c}_bytes_needed" in f]
+    if not cases:
+        return out
+    reshards = [c for c in cases if MATRIX[c][0] != MATRIX[c][1]]
+
+    def g(case: str, name: str, mode: str, key: str) -> float:
+        return f[f"{case}_{name}_{mode}_{key}"]
+
+    def speedup(case: str, mode: str) -> float:
+        return g(case, "torch_dist", mode, "wall_s") / g(case, "elastor", mode, "wall_s")
+
+    amplified = [c for c in reshards
+                 if g(c, "torch_dist", "cold", "rchar") > 1.1 * f[f"{c}_bytes_needed"]]
+    out.update(
+        load_cpu_s_per_gb=max(g(c, "elastor", "warm", "cpu_s_sum") / f[f"{c}_bytes_needed"]
+                              for c in cases) * 1e9,
+        torch_dist_load_cpu_s_per_gb=max(
+            g(c, "torch_dist", "warm", "cpu_s_sum") / f[f"{c}_bytes_needed"]
+            for c in cases) * 1e9,
+        reshard_speedup_warm_min=min(speedup(c, "warm") for c in reshards),
+        reshard_speedup_cold_amplified_min=min(speedup(c, "cold")
+                                               for c in (amplified or reshards)),
+        load_fraction_of_raw_read_cold_min=min(
+            g(c, "raw", "cold", "wall_s") / g(c, "elastor", "cold", "wall_s") for c in cases),
+        read_amplification_max=max(
+            g(c, "elastor", "cold", "storage_bytes") / f[f"{c}_bytes_needed"] for c in cases),
+        job_read_amplification=max(
+            g(c, "elastor", "cold", "storage_bytes") / f[f"{c}_bytes_unique"] for c in cases),
+        torch_dist_job_read_amplification=max(
+            g(c, "torch_dist", "cold", "rchar") / f[f"{c}_bytes_unique"] for c in cases))
+    return out
 
 
 def print_table(f: dict[str, float], out: str) -> None:
-    gb = f["state_bytes_total"] / 1e9
+    if "elastor_sync_save_s" in f:
+        gb = f["state_bytes_total"] / 1e9
 
-    def row(name: str, seconds: float, nbytes: float | None = None, note: str = "") -> None:
-        rate = f"{(nbytes or f['state_bytes_total']) / seconds / 1e9:7.2f} GB/s"
-        print(f"  {name:44s} {seconds:8.3f} s  {rate}  {note}")
+        def row(name: str, seconds: float, nbytes: float | None = None,
+                note: str = "") -> None:
+            rate = f"{(nbytes or f['state_bytes_total']) / seconds / 1e9:7.2f} GB/s"
+            print(f"  {name:44s} {seconds:8.3f} s  {rate}  {note}")
 
-    print(f"\nstate: {gb:.2f} GB on 4 ranks ({f['parameters'] / 1e6:.0f} M parameters, fp32 "
-          f"weights + Adam moments), TP2 x PP2")
-    print("save")
-    row("elastor synchronous", f["elastor_sync_save_s"])
-    row("elastor async: blocking (2nd save)", f["elastor_async_block_s"],
-        note=f"first save {f['elastor_async_block_s_save1']:.3f} s")
-    row("elastor async: until committed", f["elastor_async_commit_s_save2"])
-    row("torch_dist (fully parallel)", f["torch_dist_save_s"])
-    row("raw write + fsync (physical limit)", f["raw_write_s"])
-    row("memcpy of one rank's state (each rank)", f["memcpy_s"], f["state_bytes_max_rank"])
-    print("load (cold page cache for the checkpoint)       time      rate      read (rchar / device)")
-    for name, key, needed in (("elastor, same layout", "elastor_load", "load_bytes_needed"),
-                              ("torch_dist, same layout", "torch_dist_load", "load_bytes_needed"),
-                              ("elastor, TP2xPP2 -> hetero 3 ranks", "elastor_reshard_load",
-                               "reshard_bytes_needed"),
-                              ("torch_dist, TP2xPP2 -> hetero 3 ranks",
-                               "torch_dist_reshard_load", "reshard_bytes_needed")):
-        row(name, f[f"{key}_s"], f[needed],
-            f"{f[f'{key}_rchar'] / 1e9:.2f} / {f[f'{key}_read_bytes'] / 1e9:.2f} GB")
-    row("raw read of the unique bytes", f["raw_read_s"], f["raw_read_bytes"])
-    print("on disk")
-    print(f"  elastor     {f['elastor_files']:6.0f} files  {f['elastor_bytes_on_disk'] / 1e9:.3f} GB")
-    print(f"  torch_dist  {f['torch_dist_files']:6.0f} files  "
-          f"{f['torch_dist_bytes_on_disk'] / 1e9:.3f} GB")
+        print(f"\nstate: {gb:.2f} GB on 4 ranks ({f['parameters'] / 1e6:.0f} M parameters, "
+              f"fp32 weights + Adam moments), TP2 x PP2")
+        print("save")
+        row("elastor synchronous", f["elastor_sync_save_s"])
+        row("elastor async: blocking (2nd save)", f["elastor_async_block_s"],
+            note=f"first save {f['elastor_async_block_s_save1']:.3f} s")
+        row("elastor async: until committed", f["elastor_async_commit_s_save2"])
+        row("torch_dist (fully parallel)", f["torch_dist_save_s"])
+        row("raw write + fsync (physical limit)", f["raw_write_s"])
+        row("memcpy of one rank's state (each rank)", f["memcpy_s"], f["state_bytes_max_rank"])
+        print(f"on disk: elastor {f['elastor_files']:.0f} files "
+              f"{f['elastor_bytes_on_disk'] / 1e9:.3f} GB, torch_dist "
+              f"{f['torch_dist_files']:.0f} files {f['torch_dist_bytes_on_disk'] / 1e9:.3f} GB")
+    cases = [c for c in MATRIX if f"{c}_bytes_needed" in f]
+    if cases:
+        print(f"\nloads (median of {f['repeats']:.0f}; wall s | CPU-s summed over ranks, "
+              f"max rank | GB read from storage)")
+        for case in cases:
+            save, load = MATRIX[case]
+            print(f"{case}: {save} -> {load if isinstance(load, str) else 'hetero'}  "
+                  f"needed {f[f'{case}_bytes_needed'] / 1e9:.3f} GB, unique "
+                  f"{f[f'{case}_bytes_unique'] / 1e9:.3f} GB")
+            for name in ("elastor", "torch_dist", "raw"):
+                for mode in ("cold", "warm"):
+                    k = f"{case}_{name}_{mode}"
+                    read = f[f"{k}_storage_bytes"] if name == "elastor" else f[f"{k}_rchar"]
+                    print(f"  {name:10s} {mode}  {f[f'{k}_wall_s']:7.3f} s | "
+                          f"{f[f'{k}_cpu_s_sum']:6.2f} CPU-s, {f[f'{k}_cpu_s_max_rank']:6.2f} "
+                          f"max | {read / 1e9:.3f} GB")
     print("ratios")
     for key, value in ratios(f).items():
         print(f"  {key:40s} {value:6.2f}")
@@ -391,24 +512,39 @@ def main(argv: list[str] | None = None) -> int:
                              "one, removed afterwards)")
     parser.add_argument("--out", default="bench_checkpoint.json", help="JSON figures")
     parser.add_argument("--scale", choices=sorted(MODELS), default="default")
-    parser.add_argument("--ranks", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=["all", "save", "matrix"], default="all",
+                        help="saves (4 ranks), the load matrix (8 ranks), or both")
+    parser.add_argument("--ranks", choices=["save", "matrix"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ranks:
-        run_ranks(args)
+        (run_ranks if args.ranks == "save" else run_matrix)(args)
         return 0
     from elastor_mcore.elastic.torchrun import run_torchrun
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     out = os.path.abspath(args.out)
+    figures: dict[str, float] = {}
     try:
-        result = run_torchrun(4, "tools.bench_checkpoint",
-                              ["--ranks", "--work", str(work), "--out", out,
-                               "--scale", args.scale],
-                              env={"PYTHONPATH": str(ROOT)})
+        for phase, nproc in (("save", 4), ("matrix", MATRIX_RANKS)):
+            if args.phase not in ("all", phase):
+                continue
+            part = f"{out}.{phase}"
+            result = run_torchrun(nproc, "tools.bench_checkpoint",
+                                  ["--ranks", phase, "--work", str(work / phase),
+                                   "--out", part, "--scale", args.scale],
+                                  env={"PYTHONPATH": str(ROOT)})
+            if result.returncode:
+                return result.returncode
+            figures.update(json.loads(Path(part).read_text()))
+            os.unlink(part)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    return result.returncode
+    figures["load_average_1min"] = os.getloadavg()[0]
+    figures.update(ratios(figures))
+    Path(out).write_text(json.dumps(figures, indent=1, sort_keys=True))
+    print_table(figures, out)
+    return 0
 
 
 if __name__ == "__main__":

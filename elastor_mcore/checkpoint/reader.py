@@ -22,7 +22,7 @@ from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
 from elastor_mcore.checkpoint.plan import LocalShard, WriteUnit, assign_writers
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
-from elastor_mcore.geometry import Box, common_refinement, local_view
+from elastor_mcore.geometry import Box, ShardInfo, common_refinement, local_view
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,9 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
             step_dir = str(resolve_step_dir(path_or_root))
         except CheckpointError as exc:
             error = exc
-    comm.agree(error, f"checkpoint load from {path_or_root}", group)
-    step_dir = Path(comm.all_gather(step_dir, group)[0])
+    picked = comm.all_gather((comm.describe(error), step_dir), group)
+    comm.check([m for m, _ in picked], f"checkpoint load from {path_or_root}", error)
+    step_dir = Path(picked[0][1])
 
     error, manifest = None, None
     try:
@@ -88,9 +89,12 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
         check_targets(step_dir, manifest, targets)
     except CheckpointError as exc:
         error = exc
-    comm.agree(error, f"checkpoint load from {step_dir}", group)
+    # One collective agrees on the targets' validity and shares every rank's boxes.
+    gathered = comm.all_gather((comm.describe(error), [t.info() for t in targets]), group)
+    comm.check([m for m, _ in gathered], f"checkpoint load from {step_dir}", error)
 
-    shared = SharedReads.plan(targets, group)
+    infos = dict(zip(_group_ranks(group), (boxes for _, boxes in gathered)))
+    shared = SharedReads.plan(targets, infos, group)
     try:
         read_boxes(step_dir, manifest, shared.reads, checked=True)
     except CheckpointError as exc:
@@ -135,12 +139,13 @@ class SharedReads:
         self.sent_bytes = sum(_nbytes(v) for views in sends.values() for v in views)
 
     @staticmethod
-    def plan(targets: Sequence[LocalShard], group=None) -> "SharedReads":
-        """Collective over ``group`` (one ``all_gather_object`` of shard boxes) when its
-        backend can carry the bytes; local otherwise."""
+    def plan(targets: Sequence[LocalShard], infos: dict[int, list[ShardInfo]],
+             group=None) -> "SharedReads":
+        """This rank's part of the plan, from every rank's targets (``infos``, by global
+        rank); only this rank's own targets when ``group`` cannot carry the bytes."""
         rank = comm.global_rank()
-        local = [t.info() for t in targets]
-        infos = comm.gather_infos(local, group) if _carries_cpu(group) else {rank: local}
+        if not _carries_cpu(group):
+            infos = {rank: infos[rank]}
         dtypes = {i.key: i.dtype for rank_infos in infos.values() for i in rank_infos}
         units = [WriteUnit(c.key, c.box, c.holders, c.box.numel * DTYPE_ITEMSIZE[dtypes[c.key]])
                  for c in common_refinement(infos)]
@@ -152,7 +157,8 @@ class SharedReads:
             if rank not in unit.holders:
                 continue
             held = by_key[unit.key]
-            views = [local_view(t.data, t.box, unit.box) for t in held if t.box.contains(unit.box)]
+            views = [local_view(t.data.detach(), t.box, unit.box) for t in held
+                     if t.box.contains(unit.box)]
             pieces.append(_Piece(LocalShard(unit.key, held[0].global_shape, unit.box.offset,
                                             views[0]),
                                  views[1:], unit.writer))
@@ -189,6 +195,16 @@ class SharedReads:
         for piece in self.pieces:
             for copy in piece.copies:
                 copy.copy_(piece.target.data)
+
+
+def _group_ranks(group) -> list[int]:
+    """Global ranks of ``group`` in group-rank order (``[0]`` without a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [0]
+    return dist.get_process_group_ranks(group) if group is not None else \
+        list(range(dist.get_world_size()))
 
 
 def _carries_cpu(group) -> bool:
