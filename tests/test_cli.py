@@ -68,6 +68,7 @@ def test_corpus_training_idle_rank_and_rank_failure(tmp_path):
     raw[len(raw) // 2] ^= 0xFF
     chunk.write_bytes(bytes(raw))
     result = elastor("train", "--recipe", str(TINY), "--layout", "dp1-tp1-pp1", "--steps", "3",
-                     "--load", str(ckpt))
+                     "--load", str(ckpt), "--data", str(corpus), "--tokenizer",
+                     str(tmp_path / "tok"))
     assert result.returncode != 0
     assert "output_layer.weight" in result.stderr and "a rank failed" in result.stderr
