@@ -32,7 +32,6 @@ import torch
 
 from elastor_mcore.checkpoint.format import DTYPE_ITEMSIZE, CheckpointError, TensorEntry
 from elastor_mcore.checkpoint.plan import LocalShard
-from elastor_mcore.geometry import Box
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +43,8 @@ ABSENT = 2**64 - 1
 """Index entry of a chunk that was never written: it reads as the fill value."""
 
 CRC_BYTES = 4
+BOUNCE_BYTES = 1 << 20
+"""Bounce buffer per file read: a few chunks, small enough to stay in cache."""
 MAX_IOVECS = 512
 """Buffers per ``preadv`` (two per chunk in a run); well under Linux's IOV_MAX."""
 
@@ -95,8 +96,24 @@ class _FileRead:
     entry: TensorEntry
     target: LocalShard
     path: Path
-    chunks: list[tuple[int, ...]]
-    """Grid coordinates of the inner chunks, in the order of the file's index."""
+    axes: list[list[_Axis]]
+    """Per dimension, the file's inner chunks that meet the target, ascending: the
+    chunks are their product, in the order of the file's index."""
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """One inner chunk's extent along one dimension, precomputed so the chunk loop
+    does no geometry."""
+
+    local: int
+    """Its position along this dimension within its file."""
+    dest: slice
+    """Where its part lies in the target."""
+    source: slice
+    """Which of its elements lie in the target."""
+    whole: bool
+    """Whether all of it lies in the target."""
 
 
 def read_targets(step_dir: Path, entries: dict[str, TensorEntry],
@@ -126,15 +143,20 @@ def read_targets(step_dir: Path, entries: dict[str, TensorEntry],
 
 
 def _file_reads(step_dir: Path, entry: TensorEntry, target: LocalShard) -> list[_FileRead]:
-    box, chunks, shard = target.box, entry.chunks, entry.shard
-    ranges = [range(lo // c, -(-(lo + n) // c)) for lo, n, c in zip(box.offset, box.shape, chunks)]
-    by_file: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-    for grid in itertools.product(*ranges):  # C order, so each file's list is too
-        by_file.setdefault(tuple(g * c // s for g, c, s in zip(grid, chunks, shard)),
-                           []).append(grid)
+    box = target.box
+    per_dim = []  # per dimension: {file coordinate: [_Axis, ...]}
+    for lo, n, c, s in zip(box.offset, box.shape, entry.chunks, entry.shard):
+        files: dict[int, list[_Axis]] = {}
+        for g in range(lo // c, -(-(lo + n) // c)):
+            start, stop = max(g * c, lo), min(g * c + c, lo + n)
+            files.setdefault(g * c // s, []).append(_Axis(
+                g % (s // c), slice(start - lo, stop - lo), slice(start - g * c, stop - g * c),
+                start == g * c and stop == g * c + c))
+        per_dim.append(sorted(files.items()))
     base = step_dir / target.key / "c"
-    return [_FileRead(entry, target, base.joinpath(*map(str, f)), grids)
-            for f, grids in by_file.items()]
+    return [_FileRead(entry, target, base.joinpath(*(str(f) for f, _ in combo)),
+                      [axes for _, axes in combo])
+            for combo in itertools.product(*per_dim)]
 
 
 def _run_safely(read: _FileRead) -> int | str:
@@ -151,43 +173,49 @@ class _Corrupt(Exception):
 
 
 def _read_file(read: _FileRead) -> int:
-    entry, target = read.entry, read.target
-    box = target.box
-    dest = _int_view(target.data)
+    entry = read.entry
+    dest = _int_view(read.target.data)
     per_file = [s // c for s, c in zip(entry.shard, entry.chunks)]
     crc_bytes = CRC_BYTES if entry.checksum == "crc32c" else 0
     chunk_nbytes = math.prod(entry.chunks) * DTYPE_ITEMSIZE[entry.dtype]
+    chunks = list(itertools.product(*read.axes))
     try:
         fd = os.open(read.path, os.O_RDONLY)
     except FileNotFoundError:  # no chunk of this file was written: all fill value
-        for grid in read.chunks:
-            dest[_slices(_chunk_box(grid, entry.chunks).intersect(box), box)] = 0
+        for chunk in chunks:
+            dest[tuple(a.dest for a in chunk)] = 0
         return 0
     try:
         size = os.fstat(fd).st_size
         index = _read_index(fd, size, math.prod(per_file), crc_bytes, read.path)
         data_end = size - index.nbytes - crc_bytes
-        direct: list[tuple[int, np.ndarray, tuple[int, ...]]] = []
-        bounce: list[tuple[int, tuple[int, ...]]] = []
-        for grid in read.chunks:
-            offset, nbytes = (int(v) for v in index[np.ravel_multi_index(
-                [g % p for g, p in zip(grid, per_file)], per_file)])
-            chunk = _chunk_box(grid, entry.chunks)
+        entries = index.tolist()
+        strides = [math.prod(per_file[d + 1:]) for d in range(len(per_file))]
+        direct: list[tuple[int, np.ndarray, tuple[_Axis, ...]]] = []
+        bounce: list[tuple[int, tuple[_Axis, ...]]] = []
+        for chunk in chunks:
+            offset, nbytes = entries[sum(a.local * st for a, st in zip(chunk, strides))]
             if offset == ABSENT and nbytes == ABSENT:
-                dest[_slices(chunk.intersect(box), box)] = 0
+                dest[tuple(a.dest for a in chunk)] = 0
                 continue
             if nbytes != chunk_nbytes + crc_bytes or offset + nbytes > data_end:
-                raise _Corrupt(read.path, f"index entry ({offset}, {nbytes}) of chunk {grid}")
-            view = dest[_slices(chunk, box)] if box.contains(chunk) else None
+                raise _Corrupt(read.path, f"index entry ({offset}, {nbytes}) of chunk "
+                                          f"{_where(chunk)}")
+            view = dest[tuple(a.dest for a in chunk)] if all(a.whole for a in chunk) else None
             if view is not None and view.flags.c_contiguous:
-                direct.append((offset, view, grid))
+                direct.append((offset, view, chunk))
             else:
-                bounce.append((offset, grid))
+                bounce.append((offset, chunk))
         done = _read_direct(fd, direct, chunk_nbytes, crc_bytes, read.path)
         done += _read_bounced(fd, bounce, read, dest, chunk_nbytes, crc_bytes)
         return done + index.nbytes + crc_bytes
     finally:
         os.close(fd)
+
+
+def _where(chunk: tuple[_Axis, ...]) -> str:
+    """A chunk named by its position in its file, for error messages."""
+    return str(tuple(a.local for a in chunk))
 
 
 def _read_index(fd: int, size: int, n: int, crc_bytes: int, path: Path) -> np.ndarray:
@@ -202,7 +230,7 @@ def _read_index(fd: int, size: int, n: int, crc_bytes: int, path: Path) -> np.nd
     return np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2)
 
 
-def _read_direct(fd: int, chunks: list[tuple[int, np.ndarray, tuple[int, ...]]],
+def _read_direct(fd: int, chunks: list[tuple[int, np.ndarray, tuple[_Axis, ...]]],
                  chunk_nbytes: int, crc_bytes: int, path: Path) -> int:
     """Chunks read straight into the target: runs adjacent in the file share one
     ``preadv``; each is checked where it landed, while still in cache."""
@@ -227,46 +255,49 @@ def _read_direct(fd: int, chunks: list[tuple[int, np.ndarray, tuple[int, ...]]],
             raise _Corrupt(path, f"short read ({got} of {want} bytes)")
         if crc_bytes:
             stored = crcs.view("<u4")[:, 0]
-            for (_, view, grid), crc in zip(run, stored):
+            for (_, view, chunk), crc in zip(run, stored):
                 if _crc32c(0, view.ctypes.data, chunk_nbytes) != crc:
-                    raise _Corrupt(path, f"checksum mismatch of chunk {grid}")
+                    raise _Corrupt(path, f"checksum mismatch of chunk {_where(chunk)}")
         total += want
         start = end
     return total
 
 
-def _read_bounced(fd: int, chunks: list[tuple[int, tuple[int, ...]]], read: _FileRead,
+def _read_bounced(fd: int, chunks: list[tuple[int, tuple[_Axis, ...]]], read: _FileRead,
                   dest: np.ndarray, chunk_nbytes: int, crc_bytes: int) -> int:
-    """Chunks only partly inside the target, or not contiguous there: read whole into
-    a reused buffer, checked, then the needed part copied (by numpy: one thread, where
+    """Chunks only partly inside the target, or not contiguous there: runs adjacent in
+    the file are read into a reused buffer of about ``BOUNCE_BYTES`` (one ``preadv``),
+    each chunk checked, then its needed part copied (by numpy: one thread, where
     torch's intra-op threads would spin on a loaded host)."""
     if not chunks:
         return 0
-    entry, box = read.entry, read.target.box
-    buf = np.empty(chunk_nbytes + crc_bytes, dtype=np.uint8)
-    whole = buf[:chunk_nbytes].view(dest.dtype).reshape(entry.chunks)
-    address = buf.ctypes.data
-    for offset, grid in chunks:
-        got = os.preadv(fd, [buf], offset)
-        if got != buf.size:
-            raise _Corrupt(read.path, f"short read ({got} of {buf.size} bytes)")
-        if crc_bytes and _crc32c(0, address, chunk_nbytes) != int.from_bytes(
-                buf[chunk_nbytes:].tobytes(), "little"):
-            raise _Corrupt(read.path, f"checksum mismatch of chunk {grid}")
-        chunk = _chunk_box(grid, entry.chunks)
-        part = chunk.intersect(box)
-        dest[_slices(part, box)] = whole[_slices(part, chunk)]
-    return len(chunks) * buf.size
-
-
-def _chunk_box(grid: tuple[int, ...], chunks: tuple[int, ...]) -> Box:
-    return Box(tuple(g * c for g, c in zip(grid, chunks)), tuple(chunks))
-
-
-def _slices(part: Box, within: Box) -> tuple[slice, ...]:
-    """Index of the global box ``part`` in an array holding the global box ``within``."""
-    return tuple(slice(lo - wo, lo - wo + n)
-                 for lo, wo, n in zip(part.offset, within.offset, part.shape))
+    entry = read.entry
+    stride = chunk_nbytes + crc_bytes
+    per_read = max(1, min(len(chunks), BOUNCE_BYTES // stride))
+    buf = np.empty(per_read * stride, dtype=np.uint8)
+    raw, address = memoryview(buf), buf.ctypes.data
+    wholes = [buf[i * stride:i * stride + chunk_nbytes].view(dest.dtype).reshape(entry.chunks)
+              for i in range(per_read)]
+    chunks.sort(key=lambda c: c[0])
+    total, start = 0, 0
+    while start < len(chunks):
+        end = start + 1
+        while (end < len(chunks) and end - start < per_read
+               and chunks[end][0] == chunks[end - 1][0] + stride):
+            end += 1
+        want = (end - start) * stride
+        got = os.preadv(fd, [raw[:want]], chunks[start][0])
+        if got != want:
+            raise _Corrupt(read.path, f"short read ({got} of {want} bytes)")
+        for i, (_, chunk) in enumerate(chunks[start:end]):
+            at = i * stride
+            if crc_bytes and _crc32c(0, address + at, chunk_nbytes) != int.from_bytes(
+                    raw[at + chunk_nbytes:at + stride], "little"):
+                raise _Corrupt(read.path, f"checksum mismatch of chunk {_where(chunk)}")
+            dest[tuple(a.dest for a in chunk)] = wholes[i][tuple(a.source for a in chunk)]
+        total += want
+        start = end
+    return total
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
