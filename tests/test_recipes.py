@@ -69,6 +69,9 @@ def test_megatron_command_matches_recipe(recipe):
         "--seq-length": m.seq_length, "--max-position-embeddings": m.max_position_embeddings,
         "--rotary-base": m.rotary_base, "--micro-batch-size": t.micro_batch_size,
         "--global-batch-size": t.global_batch_size,
+        "--lr-decay-style": t.lr_schedule.lr_decay_style,
+        "--lr-warmup-iters": t.lr_schedule.lr_warmup_iters,
+        "--lr-decay-iters": t.lr_schedule.lr_decay_iters,
     }
     for flag, value in expected.items():
         assert flags.get(flag) == str(value), flag
@@ -78,6 +81,8 @@ def test_megatron_command_matches_recipe(recipe):
     for flag in ("--swiglu", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
                  "--bf16"):
         assert flag in flags, flag
+    assert float(flags["--min-lr"]) == t.lr_schedule.min_lr
+    assert float(flags["--lr"]) == t.optimizer.lr
     assert flags["--normalization"] == "RMSNorm"
     assert flags["--position-embedding-type"] == "rope"
     layout = load_layout(recipe.extra["default_layout"]["layout"], recipe)

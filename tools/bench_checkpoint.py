@@ -172,7 +172,8 @@ def mcore_state_dict(runner) -> dict:
         out[st.key] = st
         param = owning_parameter(runner.model, st.data)
         for name in ADAM_MOMENTS:
-            moment = view_like(st.data, param, runner.optimizer.state[param][name])
+            main = runner.optimizer.main_param(param)  # the fp32 weights AdamW holds
+            moment = view_like(st.data, param, runner.optimizer.state[main][name])
             key = f"optimizer.{name}.{st.key}"
             out[key] = replace(st, key=key, data=moment)
     return out

@@ -86,7 +86,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW hyper-parameters (Megatron names); a constant learning rate."""
+    """AdamW hyper-parameters (Megatron names); ``lr`` is the peak learning rate of
+    ``training.lr_schedule``."""
 
     lr: float = 1e-3
     weight_decay: float = 0.1
@@ -94,6 +95,75 @@ class OptimizerConfig:
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
+
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+WEIGHT_DECAY_INCR_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    """Megatron's learning-rate and weight-decay schedule, with its flag names
+    (``--lr-decay-style`` becomes ``lr_decay_style``), run by mcore's own
+    ``OptimizerParamScheduler``. Lengths are in iterations or, like Megatron's
+    ``--lr-*-samples``, in samples; never both. The peak is ``optimizer.lr``.
+
+    One departure: Megatron ramps weight decay over ``--train-iters``, a property of
+    the run, not of the recipe; here ``weight_decay_incr_iters`` (default
+    ``lr_decay_iters``) says how long.
+    """
+
+    lr_decay_style: str = "constant"
+    lr_warmup_init: float = 0.0
+    lr_warmup_iters: int | None = None
+    lr_warmup_samples: int | None = None
+    lr_decay_iters: int | None = None
+    lr_decay_samples: int | None = None
+    min_lr: float = 0.0
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: int | None = None
+    lr_wsd_decay_samples: int | None = None
+    start_weight_decay: float | None = None
+    end_weight_decay: float | None = None
+    weight_decay_incr_style: str = "constant"
+    weight_decay_incr_iters: int | None = None
+    weight_decay_incr_samples: int | None = None
+
+    def __post_init__(self) -> None:
+        where = "training.lr_schedule"
+        for name, allowed in (("lr_decay_style", LR_DECAY_STYLES),
+                              ("lr_wsd_decay_style", WSD_DECAY_STYLES),
+                              ("weight_decay_incr_style", WEIGHT_DECAY_INCR_STYLES)):
+            if getattr(self, name) not in allowed:
+                raise RecipeError(f"{where}.{name}={getattr(self, name)!r}: use one of "
+                                  f"{list(allowed)}")
+        for length in ("lr_warmup", "lr_decay", "lr_wsd_decay", "weight_decay_incr"):
+            iters, samples = getattr(self, f"{length}_iters"), getattr(self, f"{length}_samples")
+            if iters is not None and samples is not None:
+                raise RecipeError(f"{where}: set {length}_iters or {length}_samples, not both")
+            for name, value in ((f"{length}_iters", iters), (f"{length}_samples", samples)):
+                if value is not None and (not isinstance(value, int) or value < 0):
+                    raise RecipeError(f"{where}.{name} must be a non-negative integer, "
+                                      f"got {value!r}")
+        for name in ("lr_warmup_init", "min_lr", "start_weight_decay", "end_weight_decay"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or value < 0):
+                raise RecipeError(f"{where}.{name} must be a non-negative number, got {value!r}")
+
+    def scheduler_steps(self, global_batch_size: int) -> dict[str, int | None]:
+        """Warm-up, decay, WSD-anneal and weight-decay lengths in samples, the unit
+        Megatron-LM gives ``OptimizerParamScheduler`` (it steps by the global batch)."""
+        def samples(length: str) -> int | None:
+            iters = getattr(self, f"{length}_iters")
+            return iters * global_batch_size if iters is not None \
+                else getattr(self, f"{length}_samples")
+
+        decay = samples("lr_decay")
+        incr = samples("weight_decay_incr")
+        return {"lr_warmup_steps": samples("lr_warmup") or 0, "lr_decay_steps": decay,
+                "wsd_decay_steps": samples("lr_wsd_decay"),
+                "wd_incr_steps": incr if incr is not None else decay}
 
 
 @dataclass(frozen=True)
@@ -104,7 +174,10 @@ class TrainingConfig:
     micro_batch_size: int = 1
     seed: int = 1234
     params_dtype: str = "float32"
+    """``bfloat16``: bf16 weights and activations, fp32 gradients, fp32 main
+    parameters under AdamW, as Megatron's ``--bf16``."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
 
     def __post_init__(self) -> None:
         if self.global_batch_size % self.micro_batch_size:
@@ -114,6 +187,47 @@ class TrainingConfig:
         if self.params_dtype not in ("float32", "bfloat16"):
             raise RecipeError(
                 f"training.params_dtype={self.params_dtype!r}: use 'float32' or 'bfloat16'")
+        self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """What mcore's ``OptimizerParamScheduler`` asserts, as errors naming the field."""
+        s, lr, where = self.lr_schedule, self.optimizer.lr, "training.lr_schedule"
+        steps = s.scheduler_steps(self.global_batch_size)
+        if s.min_lr > lr:
+            raise RecipeError(f"{where}.min_lr={s.min_lr} exceeds the peak "
+                              f"training.optimizer.lr={lr}; lower min_lr")
+        if s.lr_warmup_init > lr:
+            raise RecipeError(f"{where}.lr_warmup_init={s.lr_warmup_init} exceeds the peak "
+                              f"training.optimizer.lr={lr}; lower lr_warmup_init")
+        if s.lr_decay_style != "constant" and not steps["lr_decay_steps"]:
+            raise RecipeError(f"{where}.lr_decay_style={s.lr_decay_style!r} needs "
+                              f"{where}.lr_decay_iters (or lr_decay_samples) > 0")
+        if steps["lr_decay_steps"] is not None and \
+                steps["lr_warmup_steps"] >= steps["lr_decay_steps"]:
+            raise RecipeError(f"{where}: the warm-up must end before the decay does; make "
+                              f"lr_warmup_iters smaller than lr_decay_iters")
+        if s.lr_decay_style == "WSD" and not (
+                steps["wsd_decay_steps"] and steps["wsd_decay_steps"] <= steps["lr_decay_steps"]):
+            raise RecipeError(f"{where}.lr_decay_style='WSD' needs {where}.lr_wsd_decay_iters "
+                              f"(or _samples) > 0 and at most lr_decay_iters")
+        start, end = self.weight_decay_range
+        if end < start:
+            raise RecipeError(f"{where}.end_weight_decay={end} is below start_weight_decay="
+                              f"{start}; Megatron only increases weight decay")
+        if s.weight_decay_incr_style == "constant" and start != end:
+            raise RecipeError(f"{where}: start_weight_decay={start} and end_weight_decay={end} "
+                              f"differ; set weight_decay_incr_style to 'linear' or 'cosine'")
+        if s.weight_decay_incr_style != "constant" and not steps["wd_incr_steps"]:
+            raise RecipeError(f"{where}.weight_decay_incr_style={s.weight_decay_incr_style!r} "
+                              f"needs weight_decay_incr_iters (or lr_decay_iters) > 0")
+
+    @property
+    def weight_decay_range(self) -> tuple[float, float]:
+        """(start, end) weight decay; each defaults to ``optimizer.weight_decay``, as
+        Megatron's ``--start/--end-weight-decay`` default to ``--weight-decay``."""
+        s, wd = self.lr_schedule, self.optimizer.weight_decay
+        return (wd if s.start_weight_decay is None else s.start_weight_decay,
+                wd if s.end_weight_decay is None else s.end_weight_decay)
 
     @property
     def total_micro_batches(self) -> int:
@@ -154,11 +268,14 @@ def recipe_from_dict(data: dict[str, Any], name: str = "recipe") -> Recipe:
         raise RecipeError(f"{name}: a recipe needs a 'model' and a 'training' section")
     training = dict(data["training"])
     optimizer = _build(OptimizerConfig, training.pop("optimizer", {}) or {}, "training.optimizer")
+    schedule = _build(LRScheduleConfig, training.pop("lr_schedule", {}) or {},
+                      "training.lr_schedule")
     extra = {k: v for k, v in data.items() if k not in ("name", "model", "training", "source")}
     return Recipe(
         name=data.get("name", name),
         model=_build(ModelConfig, dict(data["model"]), "model"),
-        training=_build(TrainingConfig, {**training, "optimizer": optimizer}, "training"),
+        training=_build(TrainingConfig,
+                        {**training, "optimizer": optimizer, "lr_schedule": schedule}, "training"),
         source=data.get("source"),
         extra=extra,
     )

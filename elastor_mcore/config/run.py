@@ -104,7 +104,7 @@ class RunSettings:
         "override the recipe's seed; the run's seed initialises the weights and orders "
         "--shuffle-data epochs", ("train", "launch", "worker")))
     metrics_out: str | None = field(default=None, metadata=setting(
-        "write JSON lines {step, loss, grad_norm, time_s, data_wait_s, save_block_s, "
+        "write JSON lines {step, loss, grad_norm, lr, time_s, data_wait_s, save_block_s, "
         "save_in_flight} "
         "here", ("train", "worker")))
     save_dir: str | None = field(default=None, metadata=setting(

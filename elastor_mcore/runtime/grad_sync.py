@@ -31,6 +31,12 @@ from elastor_mcore.parallel.shards import gather_shard_infos, owning_parameter, 
 log = logging.getLogger(__name__)
 
 
+def grad_buffer(param: torch.nn.Parameter) -> torch.Tensor:
+    """Where ``param``'s gradient accumulates: Megatron's fp32 ``main_grad`` in
+    mixed-precision runs (``runtime/optimizer.py``), else ``.grad``."""
+    return param.main_grad if hasattr(param, "main_grad") else param.grad
+
+
 @dataclass(frozen=True)
 class GroupReduction:
     """One all-reduce this rank issues every step, described for diagnostics
@@ -90,12 +96,12 @@ class GradientSynchronizer:
                 cache.get(holders)
             return
         for p in model.parameters():
-            if p.grad is None:
+            if grad_buffer(p) is None:
                 p.grad = torch.zeros_like(p)
         local = {}
         for st, info in zip(shards, infos):
             param = owning_parameter(model, st.data)
-            local[info.key] = (view_like(st.data, param, param.grad), info)
+            local[info.key] = (view_like(st.data, param, grad_buffer(param)), info)
         for holders, bucket_cells in plan.items():
             group = cache.get(holders)
             if rank not in holders:

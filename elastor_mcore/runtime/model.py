@@ -74,7 +74,7 @@ def build_stage_model(recipe: Recipe, groups: RankGroups, pg_collection) -> torc
     pipeline = groups.layout.pipelines[groups.position.pipeline]
     stage = pipeline.stages[groups.position.stage]
     config = transformer_config(recipe, stage.tp, [s.layers for s in pipeline.stages])
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(),
         vocab_size=recipe.model.padded_vocab_size,
@@ -86,6 +86,9 @@ def build_stage_model(recipe: Recipe, groups: RankGroups, pg_collection) -> torc
         rotary_base=recipe.model.rotary_base,
         pg_collection=pg_collection,
     )
+    # The local spec's norms are torch modules created in fp32; Megatron's
+    # Float16Module casts the whole stage, so every weight and activation is bf16.
+    return model.to(config.params_dtype)
 
 
 def parameter_seed(seed: int, key: str) -> int:

@@ -3,10 +3,13 @@
 A rank's state is its model shards (mcore ShardedTensors) and, for each of them, the
 matching slices of AdamW's moments, stored under ``optimizer.exp_avg.<key>`` and
 ``optimizer.exp_avg_sq.<key>``. Each is a global tensor in the checkpoint, so any
-layout can load them. The manifest records what a resume needs besides tensors: the
+layout can load them. The weights stored are the fp32 main parameters (the bf16
+weights of a mixed-precision run are their rounding), so fp32 and bf16 runs read and
+write the same checkpoint. The manifest records what a resume needs besides tensors: the
 model config (checked on load), the layout at save time, the data source (checked on
 load: another corpus or tokenizer is refused) and position, the optimizer's
-hyper-parameters and step count, and the RNG state.
+hyper-parameters and step count, the lr schedule's position (mcore's
+``OptimizerParamScheduler.state_dict``), and the RNG state.
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.run import DataConfig
 from elastor_mcore.data.source import fingerprint_change
 from elastor_mcore.parallel.shards import owning_parameter, sharded_tensors, view_like
+from elastor_mcore.runtime.optimizer import StageOptimizer
 
 log = logging.getLogger(__name__)
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def ensure_optimizer_state(optimizer: StageOptimizer) -> None:
     """Create AdamW's per-parameter state (zeros) where it does not exist yet, so a
     load has tensors to fill and a save has moments to write before the first step."""
     for group in optimizer.param_groups:
@@ -43,21 +47,23 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                     state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def state_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[LocalShard]:
-    """Every tensor of this rank's training state, as views (no copies)."""
+def state_shards(model: torch.nn.Module, optimizer: StageOptimizer) -> list[LocalShard]:
+    """Every tensor of this rank's training state, as views (no copies): the fp32
+    main weights and their moments."""
     ensure_optimizer_state(optimizer)
     shards = []
     for st in sharded_tensors(model):
         shape, offset = tuple(st.global_shape), tuple(st.global_offset)
-        shards.append(LocalShard(st.key, shape, offset, st.data))
         param = owning_parameter(model, st.data)
+        main = optimizer.main_param(param)
+        shards.append(LocalShard(st.key, shape, offset, view_like(st.data, param, main)))
         for name in ADAM_MOMENTS:
-            moment = view_like(st.data, param, optimizer.state[param][name])
+            moment = view_like(st.data, param, optimizer.state[main][name])
             shards.append(LocalShard(f"optimizer.{name}.{st.key}", shape, offset, moment))
     return shards
 
 
-def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int:
+def optimizer_step_count(optimizer: StageOptimizer) -> int:
     steps = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
     return steps.pop() if len(steps) == 1 else 0
 
@@ -81,7 +87,7 @@ def data_fields(data: DataConfig, seed: int) -> dict:
 
 
 def manifest_fields(recipe: Recipe, layout: Layout, step: int, seed: int,
-                    optimizer: torch.optim.Optimizer) -> dict:
+                    optimizer: StageOptimizer) -> dict:
     """The non-tensor state a resume needs (plain JSON); the run adds ``data_fields``."""
     return {
         "model": asdict(recipe.model),
@@ -90,6 +96,7 @@ def manifest_fields(recipe: Recipe, layout: Layout, step: int, seed: int,
         "rng": {"torch_cpu": _encode_rng()},
         "optimizer": {**asdict(recipe.training.optimizer), "type": "AdamW",
                       "step": optimizer_step_count(optimizer)},
+        "lr_schedule": optimizer.scheduler.state_dict(),
         "training": {"global_batch_size": recipe.training.global_batch_size,
                      "micro_batch_size": recipe.training.micro_batch_size,
                      "seed": seed},
@@ -131,11 +138,34 @@ def check_resumable(manifest: Manifest, recipe: Recipe, seed: int,
                 f"Use the checkpoint's value or start from scratch")
 
 
-def restore_non_tensor_state(manifest: Manifest, optimizer: torch.optim.Optimizer) -> None:
-    """Optimizer step counts and the RNG state, after the tensors are loaded."""
+def check_lr_schedule(manifest: Manifest, optimizer: StageOptimizer) -> None:
+    """Refuse a checkpoint whose lr schedule differs from the run's (Megatron refuses
+    too, unless told to override): the learning rate would jump at the resume."""
+    saved = manifest.extra.get("lr_schedule")
+    if saved is None:
+        return
+    for name, value in optimizer.scheduler.state_dict().items():
+        if name != "num_steps" and saved.get(name, value) != value:
+            raise CheckpointError(
+                f"checkpoint of step {manifest.step} was saved with the lr schedule's "
+                f"{name}={saved[name]!r} (mcore OptimizerParamScheduler, from "
+                f"training.optimizer.lr and training.lr_schedule) but this run has "
+                f"{value!r}. Use the checkpoint's schedule or start from scratch")
+
+
+def restore_non_tensor_state(manifest: Manifest, optimizer: StageOptimizer) -> None:
+    """Optimizer step counts, the lr schedule's position and the RNG state, after the
+    tensors are loaded. A checkpoint from before schedules had a constant lr: its
+    position is its step's samples."""
     step = (manifest.optimizer or {}).get("step", manifest.step)
     for state in optimizer.state.values():
         state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    scheduler = optimizer.scheduler
+    saved = manifest.extra.get("lr_schedule") or {
+        **scheduler.state_dict(),
+        "num_steps": manifest.step * optimizer.recipe.training.global_batch_size}
+    scheduler.num_steps = 0  # mcore's load_state_dict steps forward by the saved count
+    scheduler.load_state_dict(saved)
     if manifest.rng and "torch_cpu" in manifest.rng:
         torch.set_rng_state(_decode_rng(manifest.rng["torch_cpu"]))
 

@@ -2,7 +2,8 @@
 
 Reads top to bottom: build groups, build and initialise this rank's stage, plan the
 gradient reduction, then per step: 1F1B over the pipeline's micro-batches, reduce
-gradients across pipelines, clip by the global norm, AdamW.
+gradients across pipelines, clip by the global norm, AdamW (``runtime/optimizer.py``:
+fp32 main parameters, mcore's lr schedule).
 """
 
 from __future__ import annotations
@@ -18,17 +19,18 @@ import torch.distributed as dist
 
 from elastor_mcore import checkpoint
 from elastor_mcore.runtime.state import (
-    check_resumable, chunk_policy, describe_load, manifest_fields, restore_non_tensor_state,
-    state_shards)
+    check_lr_schedule, check_resumable, chunk_policy, describe_load, manifest_fields,
+    restore_non_tensor_state, state_shards)
 from elastor_mcore.runtime.state import data_fields
 from elastor_mcore.config.run import DataConfig
 from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_sample_indices,
                                         tp_shared_micro_batches)
 from elastor_mcore.data.source import build_sample_source
-from elastor_mcore.runtime.grad_sync import GradientSynchronizer
+from elastor_mcore.runtime.grad_sync import GradientSynchronizer, grad_buffer
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.model import build_stage_model, initialize_weights
+from elastor_mcore.runtime.optimizer import StageOptimizer
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.run import RunSettings
@@ -44,6 +46,7 @@ class StepMetrics:
     loss: float             # mean loss over every token of the global batch
     grad_norm: float        # global gradient norm before clipping
     time_s: float           # wall time of the step on the reporting rank
+    lr: float | None = None  # learning rate of the step (training.lr_schedule)
     save_block_s: float | None = None  # time the save after this step blocked training
     save_in_flight: bool = False       # a background save was running as the step began
     data_wait_s: float = 0.0           # time the step took to get its micro-batches
@@ -76,17 +79,6 @@ def device_for_rank() -> torch.device:
     return torch.device("cpu")
 
 
-def make_optimizer(model: torch.nn.Module, recipe: Recipe) -> torch.optim.AdamW:
-    """AdamW without weight decay on 1-D tensors (norms), as Megatron does."""
-    opt = recipe.training.optimizer
-    decay = [p for p in model.parameters() if p.dim() > 1]
-    no_decay = [p for p in model.parameters() if p.dim() <= 1]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": opt.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
-
-
 @dataclass
 class StageRunner:
     """One rank's stage: model, optimizer, communicator and gradient reduction."""
@@ -94,7 +86,7 @@ class StageRunner:
     recipe: Recipe
     groups: RankGroups
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: StageOptimizer
     grad_sync: GradientSynchronizer
     comm: StageCommunicator
     device: torch.device
@@ -137,7 +129,7 @@ class StageRunner:
             loss_sum += loss.detach().double().cpu()
             return loss
 
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad()
         run_1f1b(pipeline.micro_batches, groups.position.stage, groups.num_stages,
                  self.comm, forward)
         self.grad_sync.reduce()
@@ -146,7 +138,7 @@ class StageRunner:
         if clip > 0 and norm > clip:
             scale = clip / (norm + 1e-6)
             for p in self.model.parameters():
-                p.grad.mul_(scale)
+                grad_buffer(p).mul_(scale)
         self.optimizer.step()
         reports_loss = groups.is_last_stage and groups.position.tp_rank == 0
         return (float(loss_sum) if reports_loss else 0.0), norm
@@ -159,13 +151,14 @@ def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache) ->
     collective over the world).
     """
     groups = build_groups(layout, cache)
-    model = None
+    model = optimizer = None
     device = device_for_rank()
     if groups is not None:
         pg_collection = install(groups)
         model = build_stage_model(recipe, groups, pg_collection)
         initialize_weights(model, recipe, seed)
         model.to(device)
+        optimizer = StageOptimizer(model, recipe)  # before grad_sync: main_grad buffers
     grad_sync = GradientSynchronizer(layout, model, cache)
     if groups is None:
         return None
@@ -173,8 +166,7 @@ def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache) ->
     shape = (model_cfg.seq_length, recipe.training.micro_batch_size, model_cfg.hidden_size)
     dtype = next(model.parameters()).dtype
     comm = StageCommunicator(stage_links(layout, groups.rank), shape, dtype, device)
-    return StageRunner(recipe, groups, model, make_optimizer(model, recipe), grad_sync,
-                       comm, device)
+    return StageRunner(recipe, groups, model, optimizer, grad_sync, comm, device)
 
 
 def train_steps(runner: StageRunner, source: SampleSource, steps: range,
@@ -185,11 +177,12 @@ def train_steps(runner: StageRunner, source: SampleSource, steps: range,
     metrics = []
     for step in steps:
         start = time.perf_counter()
+        lr = runner.optimizer.lr
         loss_part, norm = runner.train_step(source, step)
         loss = torch.tensor(loss_part, dtype=torch.float64)
         dist.all_reduce(loss, group=runner.groups.active)
         if reporter:
-            m = StepMetrics(step + 1, float(loss), norm, time.perf_counter() - start)
+            m = StepMetrics(step + 1, float(loss), norm, time.perf_counter() - start, lr=lr)
             metrics.append(m)
             if on_step:
                 on_step(m)
@@ -203,8 +196,10 @@ def resume(runner: StageRunner, load_dir: str, seed: int, data: DataConfig | Non
     reader = checkpoint.open(load_dir)
     path, manifest = reader.path, reader.manifest
     check_resumable(manifest, runner.recipe, seed, data, allow_data_change)
+    check_lr_schedule(manifest, runner.optimizer)
     checkpoint.load(path, state_shards(runner.model, runner.optimizer),
                     group=runner.groups.active)
+    runner.optimizer.copy_main_to_model()
     restore_non_tensor_state(manifest, runner.optimizer)
     log.info(describe_load(path, manifest, runner.groups.layout))
     return manifest.step

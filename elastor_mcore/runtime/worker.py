@@ -61,7 +61,7 @@ class MetricsPrinter:
         self.quiet: collections.deque[float] = collections.deque(maxlen=self.QUIET_WINDOW)
 
     def __call__(self, m: StepMetrics) -> None:
-        record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm,
+        record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
                   "time_s": m.time_s, "data_wait_s": m.data_wait_s,
                   "save_block_s": m.save_block_s,
                   "save_in_flight": m.save_in_flight}
