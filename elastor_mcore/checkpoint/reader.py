@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import tensorstore as ts
 import torch
 
@@ -182,7 +183,7 @@ class SharedReads:
             for peer, views in sorted(self.sends.items()):
                 packed = torch.empty(sum(_nbytes(v) for v in views), dtype=torch.uint8)
                 for flat, view in _packed_slices(packed, views):
-                    flat.copy_(view)
+                    _copy(flat, view)
                 ops.append(dist.P2POp(dist.isend, packed, peer, self.group))
             for peer, views in sorted(receives.items()):
                 inbox[peer] = torch.empty(sum(_nbytes(v) for v in views), dtype=torch.uint8)
@@ -191,10 +192,16 @@ class SharedReads:
                 work.wait()
             for peer, views in receives.items():
                 for flat, view in _packed_slices(inbox[peer], views):
-                    view.copy_(flat)
+                    _copy(view, flat)
         for piece in self.pieces:
             for copy in piece.copies:
-                copy.copy_(piece.target.data)
+                _copy(copy, piece.target.data)
+
+
+def _copy(dest: torch.Tensor, source: torch.Tensor) -> None:
+    """``dest[...] = source`` on one thread (numpy): many small copies through torch's
+    intra-op threads spin on a loaded host."""
+    np.copyto(numpy_view(dest), numpy_view(source))
 
 
 def _group_ranks(group) -> list[int]:
