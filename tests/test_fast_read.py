@@ -29,6 +29,7 @@ ENTRIES = {
     "edges": TensorEntry((37, 23), "float32", (8, 5), (16, 10)),  # partial edge chunks
     "cube": TensorEntry((9, 10, 7), "float32", (3, 4, 7), (6, 8, 7)),
     "vector": TensorEntry((50,), "float32", (8,), (24,)),
+    "rows": TensorEntry((64, 24), "float32", (8, 24), (32, 24)),  # whole-row chunks: direct
 }
 
 
