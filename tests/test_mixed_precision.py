@@ -1,6 +1,6 @@
 """Mixed precision as Megatron runs it, and the lr schedule across resumes.
 
-One 7-rank torchrun world (``workers/precision_matrix.py``) runs tiny-llama with a
+One 7-rank torchrun world (``workers/train_matrix.py``) runs tiny-llama with a
 warm-up + cosine schedule:
 
 * fp32: an uninterrupted run, and a run saved under one layout and resumed under
@@ -77,7 +77,7 @@ def world(tmp_path_factory) -> Path:
     args = ["--out", str(out)]
     for case in cases:
         args += ["--case", case]
-    run_world(7, "tests.workers.precision_matrix", args, timeout=1200)
+    run_world(7, "tests.workers.train_matrix", args, timeout=1200)
     return out
 
 

@@ -1,9 +1,11 @@
 """Test worker: train, save, load and verify several layouts in one torchrun world.
 
 Starting a world costs seconds per rank here (mcore imports), so the layout matrix
-shares one. Each ``--case NAME=LAYOUT:STEPS[,save=DIR][,load=DIR][,verify]``:
+shares one. Each ``--case NAME=LAYOUT:STEPS[,recipe=PATH][,save=DIR][,load=DIR][,verify]``:
 
-* sets up the layout (ranks it does not use sit idle);
+* loads its recipe (``recipe``, else ``--recipe``: cases may differ in precision, so an
+  fp32 checkpoint can be resumed in bf16 and back) and sets up the layout (ranks it
+  does not use sit idle);
 * with ``load``, resumes from the latest step under DIR; with ``verify``, then writes
   every local shard it loaded (weights and Adam moments) to
   ``<out>/<name>/loaded.rank<r>.pt``, for the test to compare with what was saved;
@@ -54,7 +56,11 @@ def dump_shards(runner, path: Path) -> None:
                 for s in state_shards(runner.model, runner.optimizer)], path)
 
 
-def run_case(case: dict, recipe, cache: GroupCache, out_root: Path) -> None:
+def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root: Path) -> None:
+    recipe_path = case.get("recipe", default_recipe)
+    if recipe_path is None:
+        raise SystemExit(f"case {case['name']} names no recipe and --recipe is not given")
+    recipe = load_recipe(recipe_path)
     layout = load_layout(case["layout"], recipe)
     out = out_root / case["name"]
     out.mkdir(parents=True, exist_ok=True)
@@ -82,17 +88,16 @@ def run_case(case: dict, recipe, cache: GroupCache, out_root: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--recipe", default=None, help="for cases without recipe=PATH")
     parser.add_argument("--out", required=True)
     parser.add_argument("--case", action="append", required=True)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     cpu.apply()
     dist.init_process_group("gloo")
-    recipe = load_recipe(args.recipe)
     cache = GroupCache()
     for spec in args.case:
-        run_case(parse_case(spec), recipe, cache, Path(args.out))
+        run_case(parse_case(spec), args.recipe, cache, Path(args.out))
     dist.destroy_process_group()
 
 
