@@ -19,10 +19,9 @@ import torch.distributed as dist
 
 from elastor_mcore import checkpoint
 from elastor_mcore.runtime.state import (
-    check_lr_schedule, check_resumable, chunk_policy, describe_load, manifest_fields,
-    restore_non_tensor_state, state_shards)
-from elastor_mcore.runtime.state import data_fields
-from elastor_mcore.config.run import DataConfig
+    check_lr_schedule, check_resumable, chunk_policy, data_fields, describe_load,
+    manifest_fields, restore_non_tensor_state, state_shards)
+from elastor_mcore.config.run import DataConfig, RunSettings
 from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_sample_indices,
                                         tp_shared_micro_batches)
 from elastor_mcore.data.source import build_sample_source
@@ -33,7 +32,6 @@ from elastor_mcore.runtime.model import build_stage_model, initialize_weights
 from elastor_mcore.runtime.optimizer import StageOptimizer
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.config.recipe import Recipe
-from elastor_mcore.config.run import RunSettings
 from elastor_mcore.runtime.rank_hooks import RankHooks
 from elastor_mcore.runtime.schedule import run_1f1b
 
