@@ -1,0 +1,421 @@
+"""Megatron-LM's training loop on heterogeneous layouts (per-stage TP, pipelines of
+different shapes or micro-batch counts).
+
+Megatron-LM's loop assumes identical pipelines: one TP degree per pipeline, every
+pipeline running ``get_num_microbatches()`` micro-batches, the data-parallel group
+reducing gradients and losses, the data sampler splitting every batch evenly over
+that group. Under a layout Megatron-LM cannot train (``Layout.is_uniform`` false),
+these hooks replace exactly those parts and leave the rest of the loop (arguments,
+model provider, ``forward_step_func`` and its loss function, optimizer, lr schedule,
+logging, checkpoints) as it is:
+
+* **Schedule.** ``get_forward_backward_func`` returns ``forward_backward``: Elastor's
+  1F1B (``runtime/schedule.py``) over the layout's micro-batch count of this rank's
+  pipeline, with Elastor's P2P between stages of different TP (``runtime/p2p.py``).
+  Each micro-batch runs Megatron's ``forward_step_func``; on a last stage its loss
+  function gives the token sum, the token count and the report. The backward pass
+  uses the token sum, and the gradients are divided by the token count of the whole
+  global batch afterwards (Megatron's ``--calculate-per-token-loss`` arithmetic), so
+  every token of the global batch weighs the same whichever pipeline trained it.
+* **Gradient finalisation.** After the last backward, DDP's ``main_grad`` buffers are
+  summed across pipelines by ``runtime/grad_sync.py`` (cells of the common refinement
+  of all ranks' shards, each pipeline counting once) instead of DDP's data-parallel
+  all-reduce, then scaled by ``1 / tokens``.
+* **Gradient norm.** The global norm (every element of every global tensor once) is
+  computed once over all active ranks after the reduction; the optimizer's
+  ``get_grad_norm_fp32`` returns it, so every replica clips by the same factor and a
+  NaN or Inf norm stops every rank at the same step.
+* **Reported loss.** The last stages' reports are summed over every pipeline, so the
+  loss Megatron-LM logs is that of the whole global batch (Megatron divides the
+  summed ``[loss, tokens]`` pair, which the data-parallel sum it still does leaves
+  unchanged).
+* **Data.** ``build_pretraining_data_loader`` gives each pipeline its slice of every
+  global batch (``data/samples.py``: samples ``k*G ... k*G+G-1`` for batch ``k``, cut
+  in proportion to the micro-batch counts), starting at the consumed samples.
+* **Bookkeeping.** Megatron counts a step's samples as data-parallel size x micro-batch
+  size x ``get_num_microbatches()``. Its data-parallel group is the rank's exact
+  replicas, so ``train`` first sets ``args.data_parallel_size`` to that group's size
+  and the micro-batch calculator to the matching count: consumed samples and the lr
+  schedule then advance by the global batch on every rank.
+
+Evaluation runs the same forward steps without backward (``forward_only``).
+Everything else (what Megatron-LM's loop cannot do under such a layout, like the
+distributed optimizer) is refused before training by ``unsupported_reason``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from elastor_mcore.data.samples import pipeline_sample_indices
+from elastor_mcore.parallel.groups import GroupCache, RankGroups
+from elastor_mcore.parallel.layout import Layout
+from elastor_mcore.runtime.grad_sync import GradientSynchronizer
+from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
+from elastor_mcore.runtime.schedule import run_1f1b
+
+log = logging.getLogger(__name__)
+
+Patch = Callable[[Any, str, Callable[[Any], Any]], None]
+"""``patch(module, name, make)``: replace ``module.name`` by ``make(original)``."""
+
+
+def unsupported_reason(layout: Layout, args) -> str | None:
+    """Why Megatron-LM's loop cannot train the heterogeneous ``layout`` with ``args``
+    (None: it can). Checked before any rank starts training."""
+    if getattr(args, "use_distributed_optimizer", False):
+        return ("--use-distributed-optimizer on a heterogeneous layout: Megatron's "
+                "distributed optimizer shards over data-parallel replicas, which differ "
+                "between these pipelines; drop the flag (or train it with `elastor train`)")
+    if getattr(args, "fp16", False):
+        return ("--fp16 on a heterogeneous layout: the loss-scaler's inf check would "
+                "only cover one pipeline; use --bf16")
+    for flag, attr in (("--sequence-parallel", "sequence_parallel"),
+                       ("--overlap-grad-reduce", "overlap_grad_reduce"),
+                       ("--overlap-param-gather", "overlap_param_gather")):
+        if getattr(args, attr, False):
+            return (f"{flag} on a heterogeneous layout: Elastor's schedule exchanges full "
+                    f"activations and reduces gradients after the last backward; drop {flag}")
+    if getattr(args, "context_parallel_size", 1) != 1:
+        return "--context-parallel-size > 1 on a heterogeneous layout: drop it"
+    if getattr(args, "mtp_num_layers", None):
+        return ("--mtp-num-layers on a heterogeneous layout: multi-token prediction's "
+                "separate gradient norm is not reduced across pipelines; drop it")
+    if getattr(args, "num_experts", None):
+        return ("--num-experts on a heterogeneous layout: MoE layers are not supported "
+                "there; train a dense model")
+    if getattr(args, "rampup_batch_size", None):
+        return ("--rampup-batch-size on a heterogeneous layout: the micro-batch counts "
+                "are the layout's; drop it")
+    if getattr(args, "dataloader_type", "single") not in (None, "single"):
+        return (f"--dataloader-type {args.dataloader_type} on a heterogeneous layout: "
+                f"each pipeline reads its slice of the global batch in order; use "
+                f"--dataloader-type single")
+    if not getattr(args, "untie_embeddings_and_output_weights", True) and any(
+            len(p.stages) > 1 for p in layout.pipelines):
+        return ("tied embeddings on a pipeline of several stages: the first and last "
+                "stages would have to share the word embedding across TP degrees; pass "
+                "--untie-embeddings-and-output-weights")
+    last = max(layout.ranks)
+    pos = layout.position(last)
+    if pos.stage != len(layout.pipelines[pos.pipeline].stages) - 1:
+        return (f"rank {last} (the highest) holds stage {pos.stage} of pipeline "
+                f"{pos.pipeline}, not a last stage: Megatron-LM logs the loss from the "
+                f"highest rank; give it a last stage (e.g. leave 'ranks' out of the layout)")
+    mbs, gbs = args.micro_batch_size, args.global_batch_size
+    for rank in layout.ranks:
+        replicas = replica_count(layout, rank)
+        if gbs % (mbs * replicas):
+            return (f"--global-batch-size {gbs} is not a multiple of --micro-batch-size "
+                    f"{mbs} x {replicas} (the replicas of rank {rank}'s stage): Megatron-LM "
+                    f"counts consumed samples per replica; choose micro-batch counts that "
+                    f"make it one")
+    return None
+
+
+def replica_count(layout: Layout, rank: int) -> int:
+    """The size of ``rank``'s data-parallel group (its exact replicas)."""
+    from elastor_mcore.parallel.groups import replica_ranks
+
+    return len(replica_ranks(layout, rank))
+
+
+# ------------------------------------------------------------------------ installation
+
+
+def install(patch: Patch, groups: Callable[[], RankGroups | None],
+            layout: Callable[[], Layout | None]) -> None:
+    """Patch Megatron-LM's loop (``megatron.training.training``) and the optimizer's
+    gradient norm. The patches act only while ``layout()`` is heterogeneous;
+    ``groups()`` is this rank's installed groups."""
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.training import training
+
+    global _state
+    _state = _State(groups, layout)
+    patch(training, "train", _wrap_train)
+    patch(training, "get_forward_backward_func", _wrap_schedule_getter)
+    patch(training, "build_pretraining_data_loader", _wrap_data_loader)
+    patch(mcore_optimizer, "get_grad_norm_fp32", _wrap_grad_norm)
+
+
+@dataclass
+class _Stage:
+    """What the schedule keeps between steps (built on the first step: collective)."""
+
+    groups: RankGroups
+    grad_sync: GradientSynchronizer
+    comm: StageCommunicator
+    last_stages: Any            # every rank of every last stage (the loss reports)
+    norm: float | None = None   # this step's global gradient norm
+
+
+@dataclass
+class _State:
+    groups: Callable[[], RankGroups | None]
+    layout: Callable[[], Layout | None]
+    stage: _Stage | None = None
+
+    def active(self) -> bool:
+        layout = self.layout()
+        return layout is not None and not layout.is_uniform
+
+
+_state: _State | None = None
+
+
+def _active() -> bool:
+    return _state is not None and _state.active()
+
+
+def _wrap_train(original):
+    def train(forward_step_func, model, optimizer, *args, **kwargs):
+        if _active():
+            _check_optimizer(optimizer)
+            _count_samples_per_replica(_state.groups())
+        return original(forward_step_func, model, optimizer, *args, **kwargs)
+    return train
+
+
+def _check_optimizer(optimizer) -> None:
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(chained) != 1:
+        raise RuntimeError(
+            f"Megatron built {len(chained)} optimizers; on a heterogeneous layout the "
+            f"global gradient norm is given to one optimizer only (a dense model without "
+            f"separate optimizer groups)")
+
+
+def _count_samples_per_replica(groups: RankGroups) -> None:
+    """``args.data_parallel_size`` and the micro-batch calculator for this rank's
+    replica group, so that Megatron's sample counts add up to the global batch."""
+    from megatron.core.num_microbatches_calculator import (
+        reconfigure_num_microbatches_calculator)
+    from megatron.training import get_args
+
+    args = get_args()
+    args.data_parallel_size = len(groups.dp_ranks)
+    reconfigure_num_microbatches_calculator(
+        args.rank, None, args.global_batch_size, args.micro_batch_size,
+        args.data_parallel_size, False)
+
+
+def _wrap_schedule_getter(original):
+    def get_forward_backward_func(*args, **kwargs):
+        if _active():
+            return forward_backward
+        return original(*args, **kwargs)
+    return get_forward_backward_func
+
+
+def _wrap_grad_norm(original):
+    def get_grad_norm_fp32(*args, **kwargs):
+        stage = _state.stage if _active() else None
+        if stage is not None and stage.norm is not None:
+            return stage.norm
+        return original(*args, **kwargs)
+    return get_grad_norm_fp32
+
+
+def _wrap_data_loader(original):
+    def build_pretraining_data_loader(dataset, consumed_samples):
+        if dataset is None or not _active():
+            return original(dataset, consumed_samples)
+        from megatron.training import get_args
+
+        args = get_args()
+        groups = _state.groups()
+        sampler = PipelineBatchSampler(
+            groups.layout, groups.position.pipeline, args.global_batch_size,
+            args.micro_batch_size, len(dataset), consumed_samples)
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=sampler, num_workers=args.num_workers,
+            pin_memory=torch.cuda.is_available(), persistent_workers=args.num_workers > 0)
+    return build_pretraining_data_loader
+
+
+# ------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class PipelineBatchSampler:
+    """Micro-batches (lists of sample indices) of one pipeline's slice of every global
+    batch, from the batch after ``consumed_samples`` to the last whole batch."""
+
+    layout: Layout
+    pipeline: int
+    global_batch_size: int
+    micro_batch_size: int
+    total_samples: int
+    consumed_samples: int
+
+    def __post_init__(self) -> None:
+        if self.consumed_samples % self.global_batch_size:
+            raise ValueError(
+                f"consumed samples {self.consumed_samples} are not a whole number of "
+                f"global batches of {self.global_batch_size}; a heterogeneous layout "
+                f"resumes at a global-batch boundary")
+
+    def _steps(self) -> range:
+        return range(self.consumed_samples // self.global_batch_size,
+                     self.total_samples // self.global_batch_size)
+
+    def __len__(self) -> int:
+        return len(self._steps()) * self.layout.pipelines[self.pipeline].micro_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        steps = self._steps()
+        indices = pipeline_sample_indices(self.layout, self.pipeline, self.global_batch_size,
+                                          self.micro_batch_size, steps.start, steps.stop)
+        batch: list[int] = []
+        for index in indices:
+            batch.append(index)
+            if len(batch) == self.micro_batch_size:
+                yield batch
+                batch = []
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def forward_backward(*, forward_step_func, data_iterator, model, forward_only: bool = False,
+                     collect_non_loss_data: bool = False, **_megatron_shape_args) -> list[dict]:
+    """Megatron's ``forward_backward_func`` interface on a heterogeneous layout: the
+    layout's micro-batch count (Megatron's ``num_microbatches`` and tensor shapes are
+    ignored), Elastor's 1F1B and P2P, then the cross-pipeline gradient reduction.
+    Returns on a last stage one report summed over the global batch, else []."""
+    if collect_non_loss_data:
+        raise ValueError("non-loss data collection (--log-... callbacks of "
+                         "process_non_loss_data_func) is not supported on a "
+                         "heterogeneous layout")
+    chunk = _single_chunk(model)
+    iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+    stage = _stage(chunk)
+    stage.norm = None
+    groups = stage.groups
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+    config = get_model_config(chunk)
+    set_input_tensor = get_attr_wrapped_model(chunk, "set_input_tensor")
+    tokens = torch.zeros((), dtype=torch.float64, device=stage.comm.device)
+    reports: list[dict] = []
+
+    def forward(_: int, x: torch.Tensor | None) -> torch.Tensor:
+        nonlocal tokens
+        set_input_tensor(x)
+        output, loss_func = forward_step_func(iterator, chunk)
+        if not groups.is_last_stage:
+            return output
+        loss, num_tokens, report = _loss_parts(loss_func(output))
+        tokens += num_tokens.detach().double()
+        reports.append(report)
+        if not forward_only and config.grad_scale_func is not None:
+            loss = config.grad_scale_func(loss)
+        return loss
+
+    count = groups.layout.pipelines[groups.position.pipeline].micro_batches
+    if forward_only:
+        for i in range(count):
+            stage.comm.send_forward(forward(i, stage.comm.recv_forward()))
+    else:
+        run_1f1b(count, groups.position.stage, groups.num_stages, stage.comm, forward)
+        _finalize_grads(stage, chunk, tokens)
+    return _global_report(stage, reports)
+
+
+def _single_chunk(model):
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("virtual pipeline stages are not supported on a "
+                             "heterogeneous layout")
+        return model[0]
+    return model
+
+
+def _loss_parts(outputs) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    if not isinstance(outputs, tuple) or len(outputs) != 3:
+        raise ValueError(
+            "on a heterogeneous layout the loss function must return (loss summed over "
+            "tokens, token count, report), as pretrain_gpt.py's does; a per-micro-batch "
+            "mean cannot be weighted over pipelines of different micro-batch counts")
+    loss, num_tokens, report = outputs
+    for key, value in report.items():
+        if value.numel() != 2:
+            raise ValueError(f"loss report {key!r} must be a [sum, count] pair to be "
+                             f"summed over the global batch, got shape {tuple(value.shape)}")
+    return loss, torch.as_tensor(num_tokens), report
+
+
+def _stage(chunk) -> _Stage:
+    """This rank's schedule state, built on the first call (collective over the world:
+    every rank calls the schedule at the same step)."""
+    if _state.stage is not None:
+        return _state.stage
+    from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+    groups = _state.groups()
+    layout = groups.layout
+    cache = GroupCache()
+    model = get_attr_wrapped_model(chunk, "sharded_state_dict", return_model_obj=True)
+    grad_sync = GradientSynchronizer(layout, model, cache)
+    last_stage_ranks = [r for pipe in layout.pipelines for r in pipe.stages[-1].ranks]
+    last_stages = cache.get(last_stage_ranks)
+    config = get_model_config(chunk)
+    from megatron.training import get_args
+
+    args = get_args()
+    shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
+    dtype = config.pipeline_dtype or config.params_dtype
+    device = next(chunk.parameters()).device
+    comm = StageCommunicator(stage_links(layout, groups.rank), shape, dtype, device)
+    _state.stage = _Stage(groups, grad_sync, comm, last_stages)
+    log.info("rank %d: Megatron-LM's loop on heterogeneous layout %s", groups.rank,
+             layout.describe())
+    return _state.stage
+
+
+def _contributes(groups: RankGroups) -> bool:
+    """The one rank per pipeline whose loss sums count (TP ranks repeat them)."""
+    return groups.is_last_stage and groups.position.tp_rank == 0
+
+
+@torch.no_grad()
+def _finalize_grads(stage: _Stage, chunk, tokens: torch.Tensor) -> None:
+    """Sum ``main_grad`` over pipelines, divide by the global batch's tokens, and
+    compute the global norm every rank's optimizer clips by."""
+    groups = stage.groups
+    total = tokens if _contributes(groups) else torch.zeros_like(tokens)
+    dist.all_reduce(total, group=groups.active)
+    if total.item() <= 0:
+        raise RuntimeError("the global batch has no loss tokens (every loss_mask is zero)")
+    stage.grad_sync.reduce()
+    chunk.scale_gradients(1.0 / total.item())
+    norm = stage.grad_sync.global_norm(groups.active)
+    if not math.isfinite(norm):
+        from megatron.training import get_args
+
+        if get_args().check_for_nan_in_loss_and_grad:
+            raise RuntimeError(f"the global gradient norm is {norm} (NaN or Inf in the "
+                               f"gradients of some pipeline); every rank stops here")
+    stage.norm = norm
+
+
+def _global_report(stage: _Stage, reports: list[dict]) -> list[dict]:
+    """On last stages, the micro-batches' reports summed over every pipeline (every
+    pipeline runs at least one micro-batch, and the same loss function)."""
+    if not stage.groups.is_last_stage:
+        return []
+    keys = sorted(reports[0])
+    sums = torch.stack([torch.stack([r[k].view(-1).double() for r in reports]).sum(0)
+                        for k in keys])
+    if not _contributes(stage.groups):
+        sums.zero_()
+    dist.all_reduce(sums, group=stage.last_stages)
+    like = reports[0][keys[0]]
+    return [{k: sums[i].to(like.dtype) for i, k in enumerate(keys)}]
