@@ -16,7 +16,9 @@ system only:
   removes the markers and commits (manifest, rename, ``latest``, prune).
 
 If any rank dies before the commit, the directory keeps its ``.tmp_`` name: loaders
-never see it and the next save, or the next start, deletes it.
+never see it and the next save, or the next start, deletes it. On object storage the
+step is written in place (``writer.staging_dir``) and the markers are objects in it;
+a step without its manifest is as invisible, and as deleted, as a ``.tmp_`` one.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from elastor_mcore.checkpoint.format import CheckpointError
+from elastor_mcore.checkpoint.location import ObjectPath
 from elastor_mcore.checkpoint.plan import WritePlan
 from elastor_mcore.checkpoint.writer import (
     Sources, commit, fsync_dir, remove, remove_stale, write_durably, write_share)
@@ -37,13 +40,15 @@ from elastor_mcore.checkpoint.writer import (
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.01
+_POLL_OBJECT_S = 0.1
+"""Marker polls on object storage cost requests: ten a second."""
 
 
-def done_marker(tmp: Path, rank: int) -> Path:
+def done_marker(tmp: Path | ObjectPath, rank: int) -> Path | ObjectPath:
     return tmp / f"done.rank{rank}"
 
 
-def failed_marker(tmp: Path, rank: int) -> Path:
+def failed_marker(tmp: Path | ObjectPath, rank: int) -> Path | ObjectPath:
     return tmp / f"failed.rank{rank}"
 
 
@@ -52,8 +57,8 @@ class WriteJob:
     """Everything the background thread of one rank needs for one save."""
 
     step: int
-    tmp: Path
-    path: Path
+    tmp: Path | ObjectPath
+    path: Path | ObjectPath
     plan: WritePlan
     sources: Sources
     """This rank's units with their staged copies (owned by the job until it ends)."""
@@ -115,10 +120,17 @@ class BackgroundSave:
             self.error = exc
 
 
-def _mark_failed(tmp: Path, rank: int, exc: BaseException) -> None:
+def _mark_failed(tmp: Path | ObjectPath, rank: int, exc: BaseException) -> None:
     """Best effort on a full disk: an empty file needs no data blocks, the message may
     not fit."""
     marker = failed_marker(tmp, rank)
+    if isinstance(marker, ObjectPath):
+        try:
+            marker.write_text(f"{type(exc).__name__}: {exc}")
+        except CheckpointError as marker_error:
+            log.error("rank %d could not write %s (%s); the coordinator will time out",
+                      rank, marker, marker_error)
+        return
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -134,7 +146,7 @@ def _mark_failed(tmp: Path, rank: int, exc: BaseException) -> None:
                   rank, marker, marker_error)
 
 
-def wait_for_markers(tmp: Path, ranks: list[int], timeout_s: float) -> None:
+def wait_for_markers(tmp: Path | ObjectPath, ranks: list[int], timeout_s: float) -> None:
     """Until every rank in ``ranks`` has written ``done.rank<N>``; raise at the first
     ``failed.rank<N>`` or when ``timeout_s`` passes."""
     pending = set(ranks)
@@ -142,11 +154,11 @@ def wait_for_markers(tmp: Path, ranks: list[int], timeout_s: float) -> None:
     while pending:
         for rank in sorted(pending):
             failed = failed_marker(tmp, rank)
-            if failed.exists():
+            if failed.is_file():
                 message = failed.read_text(errors="replace") or "(no message: disk full?)"
                 raise CheckpointError(f"rank {rank} failed to write its part of {tmp}: "
                                       f"{message}")
-            if done_marker(tmp, rank).exists():
+            if done_marker(tmp, rank).is_file():
                 pending.discard(rank)
         if not pending:
             return
@@ -155,10 +167,10 @@ def wait_for_markers(tmp: Path, ranks: list[int], timeout_s: float) -> None:
                 f"rank(s) {sorted(pending)} did not finish writing {tmp} within "
                 f"{timeout_s:.0f}s; the step is not committed. Check those ranks' logs, or "
                 f"raise SavePolicy.commit_timeout_floor_s for slow storage")
-        time.sleep(_POLL_S)
+        time.sleep(_POLL_OBJECT_S if isinstance(tmp, ObjectPath) else _POLL_S)
 
 
-def discard(tmp: Path) -> None:
+def discard(tmp: Path | ObjectPath) -> None:
     """Remove a temporary directory a failed save left (the previous steps stay)."""
     if tmp.exists():
         remove(tmp)

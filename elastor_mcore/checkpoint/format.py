@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -140,7 +142,7 @@ def _is_json(value: Any) -> bool:
 
 
 def read_manifest(step_dir: Path) -> Manifest:
-    path = Path(step_dir) / MANIFEST
+    path = as_path(step_dir) / MANIFEST
     try:
         text = path.read_text()
     except FileNotFoundError as exc:
@@ -186,7 +188,7 @@ def parse_step(name: str) -> int | None:
 
 def committed_steps(root: str | os.PathLike) -> list[int]:
     """Steps under ``root`` whose manifest is in place, ascending."""
-    root = Path(root)
+    root = as_path(root)
     if not root.is_dir():
         return []
     steps = []
@@ -199,7 +201,7 @@ def committed_steps(root: str | os.PathLike) -> list[int]:
 
 def latest_step(root: str | os.PathLike) -> int | None:
     """The step ``latest`` names if it is committed, else the newest committed step."""
-    root = Path(root)
+    root = as_path(root)
     steps = committed_steps(root)
     try:
         named = parse_step((root / LATEST).read_text().strip())
@@ -214,9 +216,9 @@ def latest_step(root: str | os.PathLike) -> int | None:
     return None
 
 
-def resolve_step_dir(path_or_root: str | os.PathLike) -> Path:
+def resolve_step_dir(path_or_root: str | os.PathLike) -> Path | ObjectPath:
     """A committed step directory: ``path_or_root`` itself, or the latest under it."""
-    path = Path(path_or_root)
+    path = as_path(path_or_root)
     if (path / MANIFEST).is_file():
         return path
     if not path.is_dir():
@@ -314,9 +316,11 @@ def array_spec(step_dir: str | os.PathLike, key: str, entry: TensorEntry) -> dic
     (``sharding_indexed``), crc32c on every chunk and on each file's index."""
     checksum = [{"name": "crc32c"}] if entry.checksum == "crc32c" else []
     little = {"name": "bytes", "configuration": {"endian": "little"}}
+    where = as_path(step_dir) / key
     return {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": os.fspath(Path(step_dir) / key) + "/"},
+        "kvstore": (where.kvstore_spec() if isinstance(where, ObjectPath)
+                    else {"driver": "file", "path": os.fspath(where) + "/"}),
         "metadata": {
             "shape": list(entry.shape),
             "data_type": entry.dtype,

@@ -12,7 +12,9 @@ rank starts and refreshes it while the job runs:
 * otherwise the job is refused with a message naming the owner.
 
 Loading needs no lease. Creation is ``O_EXCL`` and a take-over first renames the
-stale file away, so of two jobs racing for one root exactly one wins.
+stale file away, so of two jobs racing for one root exactly one wins. On object
+storage the lease is an object created by a conditional PUT (create only), and a
+take-over deletes the stale one first.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 import psutil
 
 from elastor_mcore.checkpoint.format import CheckpointError
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ class CheckpointLease:
         if refresh_s >= stale_after_s:
             raise ValueError(f"refresh_s ({refresh_s}) must be shorter than stale_after_s "
                              f"({stale_after_s})")
-        self.root, self.job_id = Path(root), job_id
+        self.root, self.job_id = as_path(root), job_id
         self.stale_after_s, self.refresh_s = stale_after_s, refresh_s
         self.path = self.root / LEASE_FILE
         self._stop = threading.Event()
@@ -106,7 +109,10 @@ class CheckpointLease:
 
     def acquire(self) -> None:
         """Take the lease (see the module docstring) and start refreshing it."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        if isinstance(self.root, ObjectPath):
+            self.root.check_access()  # else a failing create reads as a taken lease
+        else:
+            self.root.mkdir(parents=True, exist_ok=True)
         me = psutil.Process()
         now = time.time()
         self._owner = LeaseOwner(self.job_id, socket.gethostname(), me.pid, me.create_time(),
@@ -143,6 +149,8 @@ class CheckpointLease:
             self.path.unlink(missing_ok=True)
 
     def _create(self) -> bool:
+        if isinstance(self.path, ObjectPath):
+            return self.path.create(json.dumps(asdict(self._owner)).encode())
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -153,6 +161,9 @@ class CheckpointLease:
 
     def _remove_lease(self) -> None:
         """Rename the lease away (one racer wins) and delete it."""
+        if isinstance(self.path, ObjectPath):
+            self.path.unlink()
+            return
         aside = self.path.with_name(f"{LEASE_FILE}.{self.job_id}.{os.getpid()}")
         try:
             os.rename(self.path, aside)
@@ -168,6 +179,9 @@ class CheckpointLease:
                           "collide with it", self.root, current.describe())
                 return
             self._owner = LeaseOwner(**{**asdict(self._owner), "refreshed_at": time.time()})
+            if isinstance(self.path, ObjectPath):
+                self.path.write_text(json.dumps(asdict(self._owner)))
+                continue
             tmp = self.path.with_name(f"{LEASE_FILE}.{os.getpid()}.new")
             tmp.write_text(json.dumps(asdict(self._owner)))
             os.replace(tmp, self.path)

@@ -18,17 +18,18 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from elastor_mcore.checkpoint import comm, writer
 from elastor_mcore.checkpoint.background import BackgroundSave, WriteJob, discard
 from elastor_mcore.checkpoint.format import (
-    CheckpointError, ChunkPolicy, latest_step, step_dir_name, tmp_name)
+    CheckpointError, ChunkPolicy, latest_step, step_dir_name)
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
 from elastor_mcore.checkpoint.staging import HostStaging
 from elastor_mcore.geometry import ShardInfo
-from elastor_mcore.checkpoint.writer import check_step, point_latest, unit_sources, validate
+from elastor_mcore.checkpoint.writer import (
+    check_step, open_tmp, point_latest, staging_dir, unit_sources, validate)
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ class CheckpointManager:
     def __init__(self, root: str | os.PathLike, group=None,
                  chunking: ChunkPolicy | None = None,
                  policy: SavePolicy = SavePolicy()) -> None:
-        self.root = Path(root)
+        self.root = as_path(root)
         self.group = group
         self.chunking = chunking or ChunkPolicy()
         self.policy = policy
@@ -161,9 +162,12 @@ class CheckpointManager:
                      "(when_busy='wait')", step, previous.job.step)
         previous_error = previous.join() if previous is not None else None
         coordinator = comm.is_coordinator(self.group)
+        path = self.root / step_dir_name(step)
         error = None
         try:
             validate(shards, step, manifest_extra, coordinator)
+            if coordinator and isinstance(path, ObjectPath):
+                open_tmp(path, clean_root=False)  # written in place: cleared first
         except CheckpointError as exc:
             error = exc
         infos = [s.info() for s in shards]
@@ -173,7 +177,6 @@ class CheckpointManager:
             token=secrets.token_hex(4) if coordinator else None), self.group)
         if previous is not None:
             self._settle(previous, [g.previous_error for g in gathered])
-        path = self.root / step_dir_name(step)
         comm.check([g.error for g in gathered], f"checkpoint save of step {step} to {path}",
                    error)
         plan = self._plan(infos, [g.digest for g in gathered])
@@ -181,7 +184,7 @@ class CheckpointManager:
         staged = self._staging.stage(unit_sources(plan.units_of(rank), shards))
         keep, root = self.policy.keep, self.root
         return BackgroundSave(WriteJob(
-            step=step, tmp=self.root / tmp_name(f"{path.name}.{gathered[0].token}"),
+            step=step, tmp=staging_dir(path, gathered[0].token),
             path=path, plan=plan, sources=staged, rank=rank, coordinator=coordinator,
             manifest_extra=manifest_extra, on_commit=lambda: point_latest(root, step, keep),
             commit_timeout_s=self.policy.commit_timeout_s))

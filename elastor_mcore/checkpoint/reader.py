@@ -3,7 +3,9 @@
 Tensors in elastor's own layout are read by ``fast_read`` (``preadv`` of inner chunks
 into the destination, crc32c checked in place); anything else is issued as one
 TensorStore batch (so reads of one file are coalesced) into the destination tensors'
-own memory, then awaited together. Only committed steps are ever read.
+own memory, then awaited together. Only committed steps are ever read. Object
+storage (``s3://``, ``gs://``) is always read through TensorStore, whose range GETs
+fetch the same inner chunks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from elastor_mcore.checkpoint import comm, fast_read
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.plan import LocalShard, WriteUnit, assign_writers
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import Box, ShardInfo, common_refinement, local_view
@@ -43,7 +46,7 @@ class TensorInfo:
 class CheckpointReader:
     """Read-only access to one committed step, without any process group."""
 
-    def __init__(self, step_dir: Path) -> None:
+    def __init__(self, step_dir: Path | ObjectPath) -> None:
         self.path = step_dir
         self.manifest = read_manifest(step_dir)
 
@@ -82,7 +85,7 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
             error = exc
     picked = comm.all_gather((comm.describe(error), step_dir), group)
     comm.check([m for m, _ in picked], f"checkpoint load from {path_or_root}", error)
-    step_dir = Path(picked[0][1])
+    step_dir = as_path(picked[0][1])
 
     error, manifest = None, None
     try:
@@ -235,7 +238,7 @@ def _packed_slices(packed: torch.Tensor, views: list[torch.Tensor]):
         start += n
 
 
-def check_targets(step_dir: Path, manifest: Manifest, targets: Sequence[LocalShard]) -> None:
+def check_targets(step_dir: Path | ObjectPath, manifest: Manifest, targets: Sequence[LocalShard]) -> None:
     """Raise ``CheckpointError`` naming the tensor when a target does not fit the step."""
     for target in targets:
         entry = _entry(manifest, target.key, step_dir)
@@ -251,17 +254,19 @@ def check_targets(step_dir: Path, manifest: Manifest, targets: Sequence[LocalSha
         target.validate()
 
 
-def read_boxes(step_dir: Path, manifest: Manifest, targets: Sequence[LocalShard], *,
-               fast: bool = True, checked: bool = False) -> None:
+def read_boxes(step_dir: Path | ObjectPath, manifest: Manifest,
+               targets: Sequence[LocalShard], *, fast: bool = True,
+               checked: bool = False) -> None:
     """Fill every target's ``data`` with its box: through ``fast_read`` where it
-    handles the tensor (and ``fast``), else one batched TensorStore read per target.
-    ``checked``: ``check_targets`` has passed already."""
+    handles the tensor (and ``fast``; local files only), else one batched TensorStore
+    read per target. ``checked``: ``check_targets`` has passed already."""
     if not checked:
         check_targets(step_dir, manifest, targets)
     direct: list[LocalShard] = []
     rest: list[LocalShard] = []
+    local = not isinstance(step_dir, ObjectPath)
     for target in targets:
-        handled = fast and fast_read.handles(manifest.tensors[target.key], target)
+        handled = fast and local and fast_read.handles(manifest.tensors[target.key], target)
         (direct if handled else rest).append(target)
     if direct:
         fast_read.read_targets(step_dir, manifest.tensors, direct)
@@ -278,7 +283,7 @@ def read_boxes(step_dir: Path, manifest: Manifest, targets: Sequence[LocalShard]
     wait_all(futures, f"read from {step_dir}")
 
 
-def _entry(manifest: Manifest, key: str, step_dir: Path) -> TensorEntry:
+def _entry(manifest: Manifest, key: str, step_dir: Path | ObjectPath) -> TensorEntry:
     try:
         return manifest.tensors[key]
     except KeyError:

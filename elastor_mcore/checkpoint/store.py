@@ -14,6 +14,7 @@ import torch
 
 from elastor_mcore.checkpoint import fast_read
 from elastor_mcore.checkpoint.format import CheckpointError, TensorEntry, array_spec
+from elastor_mcore.checkpoint.location import S3_REQUEST_CONCURRENCY, ObjectPath
 
 IO_CONCURRENCY = 16
 """Parallel file operations per process; bounds open files and memory in flight."""
@@ -21,10 +22,12 @@ IO_CONCURRENCY = 16
 
 @functools.lru_cache(maxsize=1)
 def shared_context() -> ts.Context:
-    """One context per process: bounded I/O, fsync on every write, no chunk cache
-    (every byte is read once, so caching would only cost memory)."""
+    """One context per process: bounded I/O (files and object-store requests), fsync
+    on every write, no chunk cache (every byte is read once, so caching would only cost
+    memory)."""
     return ts.Context({
         "file_io_concurrency": {"limit": IO_CONCURRENCY},
+        "s3_request_concurrency": {"limit": S3_REQUEST_CONCURRENCY},
         "data_copy_concurrency": {"limit": IO_CONCURRENCY},
         "file_io_sync": True,
         "cache_pool": {"total_bytes_limit": 0},
@@ -43,7 +46,7 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def open_arrays(step_dir: Path, entries: dict[str, TensorEntry], *,
+def open_arrays(step_dir: Path | ObjectPath, entries: dict[str, TensorEntry], *,
                 create: bool) -> dict[str, ts.TensorStore]:
     """Open (or, with ``create``, create the metadata of) many arrays concurrently.
 
@@ -78,8 +81,19 @@ def wait_all(futures: Iterable[tuple[str, ts.Future]], action: str) -> list:
 
 
 def storage_bytes_read() -> int:
-    """Bytes this process has read from checkpoint files so far: through TensorStore's
-    ``file`` kvstore and through ``fast_read``."""
-    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
-    return (sum(int(v.get("value", 0)) for m in metrics for v in m["values"])
-            + fast_read.bytes_read())
+    """Bytes this process has read from checkpoint storage so far: through TensorStore's
+    ``file``, ``s3`` and ``gcs`` kvstores and through ``fast_read``."""
+    return sum(_metric(f"/tensorstore/kvstore/{driver}/bytes_read")
+               for driver in ("file", "s3", "gcs")) + fast_read.bytes_read()
+
+
+def storage_bytes_written() -> int:
+    """Bytes this process has written to checkpoint storage through TensorStore."""
+    return sum(_metric(f"/tensorstore/kvstore/{driver}/bytes_written")
+               for driver in ("file", "s3", "gcs"))
+
+
+def _metric(name: str) -> int:
+    metrics = ts.experimental_collect_matching_metrics(name)
+    return sum(int(v.get("value", 0)) for m in metrics if m["name"] == name
+               for v in m["values"])

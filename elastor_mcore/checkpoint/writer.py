@@ -7,6 +7,11 @@ every rank): validate -> gather shard boxes, plan -> rank 0 creates ``.tmp_<name
 directory into place, moves ``latest`` and prunes old steps -> return. A crash at any
 point leaves the previous steps loadable.
 
+On object storage (``s3://``, ``gs://``: no rename, no ``fsync``) the step is written
+in place: ``step_<N>/`` is first cleared (its manifest first), the data and the
+per-rank markers go straight into it, and the manifest, written last, is what
+commits it; ``latest`` is one PUT. See docs/checkpoint-format.md.
+
 The steps are separate functions because the asynchronous save
 (``checkpoint.background``) runs the same ones, split between the caller and a
 background thread.
@@ -28,7 +33,8 @@ import torch
 from elastor_mcore.checkpoint import comm
 from elastor_mcore.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, ChunkPolicy, Manifest,
-    TensorEntry, committed_steps, step_dir_name, tmp_name)
+    TensorEntry, committed_steps, parse_step, step_dir_name, tmp_name)
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, WriteUnit, build_plan
 from elastor_mcore.checkpoint.store import IO_CONCURRENCY, numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import local_view
@@ -43,7 +49,7 @@ Sources = Sequence[tuple[WriteUnit, torch.Tensor]]
 class SaveResult:
     """A committed step and the plan every rank followed (who wrote which bytes)."""
 
-    path: Path
+    path: Path | ObjectPath
     step: int
     plan: WritePlan
 
@@ -58,7 +64,7 @@ def save(root: str | os.PathLike, step: int, shards: Sequence[LocalShard],
     Returns once the step is committed on every rank.
     """
     check_step(step, keep)
-    root = Path(root)
+    root = as_path(root)
     return write_checkpoint(root / step_dir_name(step), step, shards, manifest_extra,
                             group, chunking, clean_root=True,
                             on_commit=lambda: point_latest(root, step, keep))
@@ -70,8 +76,8 @@ def write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalS
                      on_commit: Callable[[], None] | None = None) -> SaveResult:
     """Save into exactly ``path`` (atomically replacing it), without a ``latest``
     pointer: the form Megatron-LM's own ``iter_N`` directories need."""
-    path = Path(path)
-    tmp = path.parent / tmp_name(path.name)
+    path = as_path(path)
+    tmp = staging_dir(path, "")
     coordinator = comm.is_coordinator(group)
     what = f"checkpoint save of step {step} to {path}"
 
@@ -140,7 +146,8 @@ def unit_sources(units: Sequence[WriteUnit], shards: Sequence[LocalShard]) -> So
     return sources
 
 
-def write_share(tmp: Path, plan: WritePlan, sources: Sources, coordinator: bool) -> None:
+def write_share(tmp: Path | ObjectPath, plan: WritePlan, sources: Sources,
+                coordinator: bool) -> None:
     """One rank's part of the data: the coordinator also writes the group and array
     metadata. The others need not wait for it: they open the arrays with
     ``assume_metadata`` and TensorStore creates the directories."""
@@ -150,7 +157,7 @@ def write_share(tmp: Path, plan: WritePlan, sources: Sources, coordinator: bool)
     _write_units(tmp, plan.entries, sources)
 
 
-def commit(tmp: Path, path: Path, step: int, plan: WritePlan,
+def commit(tmp: Path | ObjectPath, path: Path | ObjectPath, step: int, plan: WritePlan,
            manifest_extra: dict[str, Any] | None,
            on_commit: Callable[[], None] | None) -> None:
     """Coordinator, once every rank's data is durable: manifest, rename, ``on_commit``."""
@@ -162,55 +169,68 @@ def commit(tmp: Path, path: Path, step: int, plan: WritePlan,
              sum(e.nbytes for e in plan.entries.values()))
 
 
-def point_latest(root: Path, step: int, keep: int) -> None:
+def point_latest(root: Path | ObjectPath, step: int, keep: int) -> None:
     """Move ``latest`` to the step just committed and prune beyond ``keep``."""
     write_durably(root / LATEST, step_dir_name(step) + "\n")
     prune_oldest([(s, root / step_dir_name(s)) for s in committed_steps(root)], keep,
                  root / step_dir_name(step))
 
 
+def staging_dir(path: Path | ObjectPath, token: str) -> Path | ObjectPath:
+    """Where the save of ``path`` writes before its commit: ``.tmp_<name>[.<token>]``
+    beside it, renamed into place; on object storage (no rename) ``path`` itself,
+    which its manifest, written last, commits."""
+    if isinstance(path, ObjectPath):
+        return path
+    return path.parent / tmp_name(f"{path.name}.{token}" if token else path.name)
+
+
 def remove_stale(root: str | os.PathLike, keep: str | None = None) -> None:
     """Delete leftovers of interrupted saves and prunes (``.tmp_*``) under ``root``,
-    except the entry named ``keep`` (a save that is starting)."""
-    root = Path(root)
+    except the entry named ``keep`` (a save that is starting). On object storage a
+    ``step_N`` without its manifest is such a leftover too."""
+    root = as_path(root)
     if root.is_dir():
+        remote = isinstance(root, ObjectPath)
         for entry in root.iterdir():
-            if entry.name.startswith(TMP_PREFIX) and entry.name != keep:
+            abandoned = (remote and parse_step(entry.name) is not None
+                         and not (entry / MANIFEST).is_file())
+            if (entry.name.startswith(TMP_PREFIX) or abandoned) and entry.name != keep:
                 log.info("removing stale %s", entry)
                 remove(entry)
 
 
-def open_tmp(tmp: Path, clean_root: bool) -> None:
+def open_tmp(tmp: Path | ObjectPath, clean_root: bool) -> None:
     """Coordinator: a fresh, empty ``tmp`` directory for one save (with
     ``clean_root``, every stale ``.tmp_*`` beside it is removed first)."""
     if clean_root:
-        remove_stale(tmp.parent)
-    elif tmp.exists():
+        remove_stale(tmp.parent, keep=tmp.name)
+    if tmp.exists():
         remove(tmp)
     tmp.mkdir(parents=True)
 
 
-def _create_metadata(tmp: Path, entries: dict[str, TensorEntry]) -> None:
+def _create_metadata(tmp: Path | ObjectPath, entries: dict[str, TensorEntry]) -> None:
     group_meta = {"zarr_format": 3, "node_type": "group",
                   "attributes": {"elastor_format_version": FORMAT_VERSION}}
     (tmp / "zarr.json").write_text(json.dumps(group_meta))
     open_arrays(tmp, entries, create=True)
 
 
-def begin_single(tmp: Path, entries: dict[str, TensorEntry]) -> None:
+def begin_single(tmp: Path | ObjectPath, entries: dict[str, TensorEntry]) -> None:
     """A one-process writer's first step (converters hold one tensor at a time): a
     fresh ``tmp`` holding every array's metadata, ready for ``write_whole``."""
     open_tmp(tmp, clean_root=False)
     _create_metadata(tmp, entries)
 
 
-def write_whole(tmp: Path, key: str, entry: TensorEntry, tensor: torch.Tensor) -> None:
+def write_whole(tmp: Path | ObjectPath, key: str, entry: TensorEntry, tensor: torch.Tensor) -> None:
     """Write all of one tensor into the array ``key`` of ``tmp``."""
     array = open_arrays(tmp, {key: entry}, create=False)[key]
     array.write(numpy_view(tensor.detach().cpu().contiguous())).result()
 
 
-def _write_units(tmp: Path, entries: dict[str, TensorEntry], sources: Sources) -> None:
+def _write_units(tmp: Path | ObjectPath, entries: dict[str, TensorEntry], sources: Sources) -> None:
     """Issue every write of this rank at once, then wait for all of them."""
     if not sources:
         return
@@ -220,9 +240,13 @@ def _write_units(tmp: Path, entries: dict[str, TensorEntry], sources: Sources) -
     wait_all(futures, "write")
 
 
-def commit_dir(tmp: Path, path: Path, manifest: Manifest) -> None:
+def commit_dir(tmp: Path | ObjectPath, path: Path | ObjectPath, manifest: Manifest) -> None:
     """Make a fully written ``tmp`` visible as ``path``: fsync every directory, write
-    the manifest last, rename into place (replacing any old ``path``)."""
+    the manifest last, rename into place (replacing any old ``path``). On object
+    storage ``tmp`` is ``path`` and the manifest's one PUT is the commit."""
+    if isinstance(path, ObjectPath):
+        write_durably(path / MANIFEST, manifest.to_json())
+        return
     with ThreadPoolExecutor(IO_CONCURRENCY) as pool:  # concurrent fsyncs share journal commits
         list(pool.map(fsync_dir, (Path(d) for d, _, _ in os.walk(tmp))))
     write_durably(tmp / MANIFEST, manifest.to_json())
@@ -239,19 +263,27 @@ def commit_dir(tmp: Path, path: Path, manifest: Manifest) -> None:
 def prune_oldest(found: Sequence[tuple[int, Path]], keep: int, just_saved: Path) -> None:
     """Delete all but the ``keep`` newest of ``found`` (step, directory), never
     ``just_saved``. Each is first renamed to a ``.tmp_`` name (atomic), so a crash
-    leaves a whole step or a leftover ``remove_stale`` clears, never half a step."""
+    leaves a whole step or a leftover ``remove_stale`` clears, never half a step (on
+    object storage its manifest is deleted first, to the same effect)."""
     for _, entry in sorted(found)[:-keep]:
         if entry.resolve() == just_saved.resolve():
             continue
-        doomed = entry.parent / tmp_name(entry.name + ".deleting")
-        os.rename(entry, doomed)
-        remove(doomed)
+        if isinstance(entry, ObjectPath):
+            remove(entry)
+        else:
+            doomed = entry.parent / tmp_name(entry.name + ".deleting")
+            os.rename(entry, doomed)
+            remove(doomed)
         log.info("pruned %s (keeping %d checkpoints)", entry, keep)
 
 
-def write_durably(path: Path, data: str | bytes) -> None:
+def write_durably(path: Path | ObjectPath, data: str | bytes) -> None:
     """Write a small file so that it is either absent, or present and complete, even
-    across a power loss (tmp, fsync, rename, fsync of the directory)."""
+    across a power loss (tmp, fsync, rename, fsync of the directory; one PUT on
+    object storage)."""
+    if isinstance(path, ObjectPath):
+        path.write_bytes(data if isinstance(data, bytes) else data.encode())
+        return
     tmp = path.parent / tmp_name(path.name)
     with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
         f.write(data)
@@ -269,8 +301,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def remove(path: Path) -> None:
-    if path.is_dir():
+def remove(path: Path | ObjectPath) -> None:
+    if isinstance(path, ObjectPath):  # manifest first: never half a committed step
+        (path / MANIFEST).unlink()
+        path.remove_tree()
+        path.unlink()
+    elif path.is_dir():
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)

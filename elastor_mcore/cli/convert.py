@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 
 FORMATS = ("zarr", "torch_dist", "hf")
@@ -19,9 +20,12 @@ def register(subparsers) -> None:
         description="Convert a checkpoint, holding one tensor at a time in memory. The "
                     "source format is detected: a torch_dist directory (metadata.json), "
                     "a Hugging Face Llama directory (config.json + safetensors) or an "
-                    "elastor checkpoint (a step directory or a root).")
-    parser.add_argument("src", help="source checkpoint directory")
-    parser.add_argument("dst", help="new directory to write")
+                    "elastor checkpoint (a step directory or a root). An elastor "
+                    "checkpoint may also be an s3://BUCKET/PREFIX URL, as SRC (--to hf) "
+                    "or DST (--to zarr); endpoint, region and credentials come from the "
+                    "AWS environment.")
+    parser.add_argument("src", help="source checkpoint directory (zarr: or s3:// URL)")
+    parser.add_argument("dst", help="new directory to write (--to zarr: or s3:// URL)")
     parser.add_argument("--to", required=True, choices=FORMATS, help="target format")
     parser.add_argument("--recipe", default=None,
                         help="-> zarr: record this recipe's model in the manifest, so "
@@ -37,10 +41,16 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def source_format(path: Path) -> str:
+def source_format(path: Path | ObjectPath) -> str:
     from elastor_mcore.checkpoint.megatron_dir import is_zarr_checkpoint
     from elastor_mcore.convert import hf_llama, torch_dist
 
+    if isinstance(path, ObjectPath):
+        if (path / "manifest.json").is_file() or (path / "latest").is_file():
+            return "zarr"
+        raise CheckpointError(f"{path} is not an elastor checkpoint (no manifest.json or "
+                              f"latest); on object storage only elastor checkpoints are "
+                              f"converted: copy other formats to a local directory first")
     if torch_dist.is_torch_dist(path):
         return "torch_dist"
     if hf_llama.is_hf_checkpoint(path):
@@ -55,7 +65,7 @@ def source_format(path: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     from elastor_mcore.convert import hf_llama, torch_dist  # torch: only to convert
 
-    src, dst = Path(args.src), Path(args.dst)
+    src, dst = as_path(args.src), as_path(args.dst)
 
     def progress(done: int, total: int, name: str) -> None:
         print(f"\r[{done}/{total}] {name[:70]:<70}", end="" if done < total else "\n",
@@ -63,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         kind = source_format(src)
+        remote = [p for p in (src, dst) if isinstance(p, ObjectPath)]
+        if remote and {kind, args.to} != {"zarr", "hf"}:
+            raise CheckpointError(
+                f"{remote[0]}: {kind} -> {args.to} reads and writes local directories "
+                f"only; on object storage, elastor zarr checkpoints convert to and from hf "
+                f"(convert through a local copy)")
         chunking = ChunkPolicy(split_sizes=tuple(args.split_sizes)) if args.split_sizes \
             else None
         recipe = load_recipe(args.recipe) if args.recipe else None

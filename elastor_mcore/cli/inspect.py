@@ -7,6 +7,7 @@ import json
 import sys
 
 from elastor_mcore.checkpoint.format import CheckpointError, read_manifest, resolve_step_dir
+from elastor_mcore.checkpoint.location import ObjectPath
 from elastor_mcore.parallel.layout import LayoutError, layout_from_dict
 
 
@@ -15,15 +16,18 @@ def register(subparsers) -> None:
         "inspect", help="show a checkpoint's step, layout and tensors",
         description="Print the step, the layout at save time and a table of tensors "
                     "(name, shape, dtype, inner chunk shape, bytes) of a checkpoint. DIR "
-                    "is a step_N directory or a checkpoint root (its latest step).")
-    parser.add_argument("dir", help="checkpoint root or step directory")
+                    "is a step_N directory or a checkpoint root (its latest step), local "
+                    "or an s3://BUCKET/PREFIX URL (endpoint, region and credentials from "
+                    "the AWS environment).")
+    parser.add_argument("dir", help="checkpoint root or step directory (or s3:// URL)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    try:  # the manifest alone: no torch, no TensorStore
+    try:  # the manifest alone: no torch (TensorStore only for object storage)
         step_dir = resolve_step_dir(args.dir)
         manifest = read_manifest(step_dir)
+        stored = _stored(step_dir)
     except CheckpointError as exc:
         print(f"elastor inspect: {exc}", file=sys.stderr)
         return 2
@@ -42,9 +46,15 @@ def run(args: argparse.Namespace) -> int:
         print("  ".join(c.rjust(w) if i == 4 else c.ljust(w)
                         for i, (c, w) in enumerate(zip(row, widths))).rstrip())
     total = sum(t.nbytes for _, t in tensors)
-    on_disk = sum(f.stat().st_size for f in step_dir.rglob("*") if f.is_file())
-    print(f"total: {len(rows)} tensors, {total:,} bytes of data, {on_disk:,} bytes on disk")
+    print(f"total: {len(rows)} tensors, {total:,} bytes of data, {stored}")
     return 0
+
+
+def _stored(step_dir) -> str:
+    """Bytes on disk; an object store's listing gives no sizes, so its object count."""
+    if isinstance(step_dir, ObjectPath):
+        return f"{len(step_dir.keys()):,} objects"
+    return f"{sum(f.stat().st_size for f in step_dir.rglob('*') if f.is_file()):,} bytes on disk"
 
 
 def _describe_layout(layout) -> str:

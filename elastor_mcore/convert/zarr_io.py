@@ -5,7 +5,7 @@ a converter holds one tensor at a time instead. This module plans the arrays up
 front from shapes alone, writes each tensor as it arrives, and commits through the
 checkpoint writer's one-process steps (``begin_single``, ``write_whole``,
 ``commit_dir``), so the result is an ordinary committed step (manifest last, atomic
-rename).
+rename; on object storage the step is written in place and its manifest commits it).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any, Callable
 import torch
 
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy, Manifest
-from elastor_mcore.checkpoint.format import choose_entry, tmp_name
-from elastor_mcore.checkpoint.writer import begin_single, commit_dir, write_whole
+from elastor_mcore.checkpoint.format import choose_entry
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
+from elastor_mcore.checkpoint.writer import begin_single, commit_dir, staging_dir, write_whole
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,11 @@ class StreamingZarrWriter:
     def __init__(self, path: str | os.PathLike, tensors: dict[str, tuple[tuple[int, ...], str]],
                  *, step: int = 0, manifest_extra: dict[str, Any] | None = None,
                  chunking: ChunkPolicy | None = None) -> None:
-        self.path = Path(path)
+        self.path = as_path(path)
         if self.path.exists() and any(self.path.iterdir()):
             raise CheckpointError(f"{self.path} exists and is not empty; choose a new "
                                   f"directory")
-        self.tmp = self.path.parent / tmp_name(self.path.name)
+        self.tmp = staging_dir(self.path, "")
         self.step, self.manifest_extra = step, manifest_extra
         policy = chunking or ChunkPolicy()
         self.entries = {key: choose_entry(shape, dtype, [[0, n] for n in shape], policy)
@@ -60,7 +61,7 @@ class StreamingZarrWriter:
         write_whole(self.tmp, key, entry, tensor)
         self.written.add(key)
 
-    def commit(self) -> Path:
+    def commit(self) -> Path | ObjectPath:
         missing = sorted(set(self.entries) - self.written)
         if missing:
             raise CheckpointError(f"{self.path}: tensors {missing[:5]} were declared but "

@@ -97,19 +97,23 @@ def mismatches(targets) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    out = Path(parser.parse_args().out)
+    parser.add_argument("--root", default=None,
+                        help="where the checkpoints go (default: --out; or an s3:// URL)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    root = args.root or str(out)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     from elastor_mcore import checkpoint as ck
 
     policy = ck.ChunkPolicy(chunk_bytes=2 * 1024, file_bytes=8 * 1024)
-    saved = ck.save(out / "world", 3, save_boxes(rank), {"layout": {"tp": 4}}, chunking=policy)
+    saved = ck.save(f"{root}/world", 3, save_boxes(rank), {"layout": {"tp": 4}}, chunking=policy)
 
     report = {"rank": rank}
     for how in ("halves", "uneven", "whole"):
         targets = load_boxes(rank, how)
         before = ck.storage_bytes_read()
-        ck.load(out / "world", targets)
+        ck.load(f"{root}/world", targets)
         report[how] = dict(
             mismatches=mismatches(targets),
             bytes_read=ck.storage_bytes_read() - before,
@@ -121,12 +125,12 @@ def main() -> None:
     if rank != 0:
         mine = [piece(k, d, *split_bounds(s[d], 3)[rank - 1]) if d is not None
                 else piece(k, None, 0, 0) for k, (s, _, d) in TENSORS.items()]
-        ck.save(out / "sub", 4, mine, {}, group=holders)
+        ck.save(f"{root}/sub", 4, mine, {}, group=holders)
     dist.barrier()
     targets = load_boxes(rank, "halves")
-    ck.load(out / "sub", targets)
+    ck.load(f"{root}/sub", targets)
     report["subgroup"] = dict(mismatches=mismatches(targets),
-                              writers=ck.open(out / "sub").manifest.writers)
+                              writers=ck.open(f"{root}/sub").manifest.writers)
 
     write_world_result(out, report, saved.plan)
     dist.destroy_process_group()
