@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "elastor_mcore.cli.launch",
     "elastor_mcore.cli.demo",
     "elastor_mcore.cli.plan",
+    "elastor_mcore.cli.profile",
 ]
 
 

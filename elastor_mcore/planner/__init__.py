@@ -18,12 +18,12 @@ from typing import Any
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
 from elastor_mcore.planner.cost_model import GIB, CostModel, StepCost
 from elastor_mcore.planner.hardware import (HardwareError, HardwareProfile, hardware_from_dict,
-                                            load_hardware)
+                                            load_hardware, write_hardware)
 from elastor_mcore.planner.search import Candidate, search
 from elastor_mcore.config.recipe import Recipe
 
 __all__ = ["Plan", "PlannerError", "HardwareError", "HardwareProfile", "CostModel",
-           "plan", "load_hardware", "hardware_from_dict", "layout_cost"]
+           "plan", "load_hardware", "hardware_from_dict", "write_hardware", "layout_cost"]
 
 log = logging.getLogger(__name__)
 
@@ -120,16 +120,24 @@ def plan(recipe: Recipe, hardware: HardwareProfile, alive_gpus: Iterable[int],
         raise PlannerError("no GPU is alive: alive_gpus is empty")
     if min(alive) < 0:
         raise PlannerError(f"alive_gpus: {min(alive)} is not a GPU id (ids are >= 0)")
+    cost = CostModel(recipe, hardware, sequence_parallel=sequence_parallel)
+    measured = cost.measured_tp_sizes
     sizes = tuple(t for t in recipe.model.valid_tp_sizes if t <= gpn
-                  and (tp_sizes is None or t in set(tp_sizes)))
+                  and (tp_sizes is None or t in set(tp_sizes))
+                  and (measured is None or t in measured))
     if not sizes:
+        if measured is not None:
+            raise PlannerError(
+                f"the hardware profile {hardware.name} measured {recipe.name} at TP "
+                f"{list(measured)} only, none of them allowed here (tp_sizes "
+                f"{sorted(tp_sizes or [])}, {gpn} GPUs per node); run elastor profile with "
+                f"the TP degrees you need")
         raise PlannerError(
             f"tp_sizes: none of {sorted(tp_sizes or [])} divides the model's heads, query "
             f"groups and FFN width; allowed are {recipe.model.valid_tp_sizes}")
     by_node: dict[int, list[int]] = {}
     for g in alive:
         by_node.setdefault(g // gpn, []).append(g % gpn)
-    cost = CostModel(recipe, hardware, sequence_parallel=sequence_parallel)
     best = search(cost, {n: len(ids) for n, ids in by_node.items()}, sizes)
     if best is None:
         raise PlannerError(_infeasible_message(cost, recipe, len(alive), sizes))

@@ -102,10 +102,13 @@ class PipelineCost:
 class StepCost:
     pipelines: tuple[PipelineCost, ...]
     grad_sync_s: float
+    contention: float = 1.0
+    """How much slower every slot runs because the layout's slots share cores
+    (``CostModel.contention``; 1 on GPUs)."""
 
     @property
     def step_s(self) -> float:
-        return max(p.time_s for p in self.pipelines) + self.grad_sync_s
+        return (max(p.time_s for p in self.pipelines) + self.grad_sync_s) * self.contention
 
 
 class CostModel:
@@ -132,6 +135,8 @@ class CostModel:
         self._state_bytes_per_param = self._param_bytes + GRAD_BYTES + master + ADAM_MOMENT_BYTES
         self._act_bytes = self._param_bytes
         self._measured = hardware.measured_layer_ms.get(recipe.name, {})
+        self.tables = hardware.measurements_for(recipe)
+        """``elastor profile``'s tables for this recipe (None: analytic model)."""
         self.capacity_bytes = (hardware.memory_per_gpu_gib - hardware.memory_reserved_gib) * GIB
         self._memo: dict[tuple, float | int] = {}
 
@@ -184,8 +189,23 @@ class CostModel:
     def layer_tp_comm_s(self, tp: int) -> float:
         return self._collective_s(tp, self._message_bytes, TP_COLLECTIVES_PER_LAYER)
 
+    def contention(self, gpus: int) -> float:
+        """Slowdown of ``gpus`` busy CPU slots sharing the profile's cores (1 on GPUs)."""
+        slots = self.hardware.concurrent_slots
+        return max(1.0, gpus / slots) if slots else 1.0
+
+    @property
+    def measured_tp_sizes(self) -> tuple[int, ...] | None:
+        """TP degrees the profile measured for this recipe (None: no tables)."""
+        return self.tables.tp_sizes if self.tables else None
+
+    def _stage_table_s(self, tp: int, layers: int, first: bool, last: bool) -> float:
+        return self.tables.forward_backward_ms[tp].total(layers, first, last) / 1000
+
     def layer_time_s(self, tp: int) -> float:
         """Time one layer adds to a stage per micro-batch (measured when the profile has it)."""
+        if self.tables:
+            return self.tables.forward_backward_ms[tp].layer / 1000
         if tp in self._measured:
             return self._measured[tp] / 1000
         return self._memoised(("layer", tp),
@@ -196,6 +216,8 @@ class CostModel:
 
     def p2p_s(self, intra_node: bool) -> float:
         hw = self.hardware
+        if intra_node and hw.p2p_latency_us and hw.p2p_bandwidth_gb_s:
+            return hw.p2p_latency_us * 1e-6 + self._message_bytes / (hw.p2p_bandwidth_gb_s * 1e9)
         if intra_node:
             return hw.intra_node_latency_us * 1e-6 + self._message_bytes / (
                 hw.intra_node_bandwidth_gb_s * 1e9)
@@ -212,11 +234,17 @@ class CostModel:
     def stage_fixed_s(self, tp: int, position: int, num_stages: int, intra_node: bool) -> float:
         """Time of a stage that does not scale with its layers: embedding/output, P2P."""
         first, last = position == 0, position == num_stages - 1
+        neighbours = self._neighbours(position, num_stages)
+        if self.tables:
+            return self._memoised(
+                ("fixed", tp, first, last, neighbours, intra_node),
+                lambda: (self._stage_table_s(tp, 0, first, last)
+                         + neighbours * self.p2p_s(intra_node)))
         return self._memoised(
-            ("fixed", tp, first, last, intra_node),
+            ("fixed", tp, first, last, neighbours, intra_node),
             lambda: ((self.output_layer_compute_s(tp) if last else 0.0)
                      + self._embedding_comm_s(tp, first, last)
-                     + self._neighbours(position, num_stages) * self.p2p_s(intra_node)))
+                     + neighbours * self.p2p_s(intra_node)))
 
     def grad_sync_s(self, num_pipelines: int, min_pipeline_gpus: int, intra_node: bool) -> float:
         """Cross-pipeline gradient all-reduce (ring over the pipelines)."""
@@ -242,8 +270,11 @@ class CostModel:
         return (self.layer_params - 2 * self._h) / tp + 2 * self._h
 
     def layer_memory_bytes(self, tp: int, position: int, num_stages: int) -> float:
-        """Memory one more layer costs a stage's GPU."""
+        """Memory one more layer costs a stage's GPU (measured when the profile has it)."""
         in_flight = num_stages - position
+        if self.tables:
+            return (self.tables.state_mib[tp].layer
+                    + in_flight * self.tables.activation_mib[tp].layer) * 2**20
         return (self._sharded_layer_params(tp) * self._state_bytes_per_param
                 + in_flight * self._layer_activation_bytes(tp))
 
@@ -280,18 +311,20 @@ class CostModel:
     def stage_cost(self, tp: int, layers: int, position: int, num_stages: int,
                    intra_node: bool) -> StageCost:
         first, last = position == 0, position == num_stages - 1
-        if tp in self._measured:
+        if self.tables:
+            compute, comm = self._stage_table_s(tp, layers, first, last), 0.0
+        elif tp in self._measured:
             compute, comm = layers * self.layer_time_s(tp), 0.0
         else:
             compute, comm = layers * self.layer_compute_s(tp), layers * self.layer_tp_comm_s(tp)
-        if last:
+        if last and not self.tables:
             compute += self.output_layer_compute_s(tp)
         collectives = (layers * TP_COLLECTIVES_PER_LAYER + (TP_COLLECTIVES_EMBEDDING // 2) * first
                        + TP_COLLECTIVES_EMBEDDING * last)
         neighbours = self._neighbours(position, num_stages)
         return StageCost(
             tp=tp, layers=layers, compute_s=compute,
-            tp_comm_s=comm + self._embedding_comm_s(tp, first, last),
+            tp_comm_s=comm + (0.0 if self.tables else self._embedding_comm_s(tp, first, last)),
             p2p_s=neighbours * self.p2p_s(intra_node),
             tp_comm_bytes=collectives * 2 * (tp - 1) / tp * self._message_bytes,
             p2p_bytes=neighbours * self._message_bytes,
@@ -306,5 +339,7 @@ class CostModel:
                 for j, (tp, layers) in enumerate(stages)))
             for mb, stages in pipelines)
         min_gpus = min(sum(tp for tp, _ in stages) for _, stages in pipelines)
+        gpus = sum(tp for _, stages in pipelines for tp, _ in stages)
         return StepCost(pipelines=costs,
-                        grad_sync_s=self.grad_sync_s(len(pipelines), min_gpus, intra_node))
+                        grad_sync_s=self.grad_sync_s(len(pipelines), min_gpus, intra_node),
+                        contention=self.contention(gpus))

@@ -7,15 +7,71 @@ TFLOP/s, GiB, GB/s (gigabytes) and microseconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import logging
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.yaml_file import read_yaml_file
+
+log = logging.getLogger(__name__)
 
 
 class HardwareError(ValueError):
     """A hardware profile is missing, malformed or physically impossible."""
+
+
+@dataclass(frozen=True)
+class StageTable:
+    """One measured quantity of a stage at one TP degree, in the parts the cost model
+    adds up: a stage of ``n`` layers costs ``stage + n x layer``, plus ``embedding`` if
+    it is the first stage and ``output`` (output layer and loss) if it is the last."""
+
+    layer: float
+    stage: float
+    embedding: float
+    output: float
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise HardwareError(f"{f.name} must be a number >= 0, got {value!r}")
+
+    def total(self, layers: int, first: bool, last: bool) -> float:
+        return self.stage + layers * self.layer + first * self.embedding + last * self.output
+
+
+@dataclass(frozen=True)
+class RecipeMeasurements:
+    """What ``elastor profile`` measured for one recipe on this hardware."""
+
+    shape: dict[str, Any]
+    """The recipe's model (without ``num_layers``), micro-batch size and dtype: the
+    tables hold for recipes of exactly this shape."""
+    forward_backward_ms: dict[int, StageTable]
+    """Forward + backward of one micro-batch, by TP degree, on a slot that has a core
+    to itself (``HardwareProfile.concurrent_slots`` says how runs share them)."""
+    activation_mib: dict[int, StageTable]
+    """Bytes autograd keeps for backward per micro-batch (MiB), by TP degree."""
+    state_mib: dict[int, StageTable]
+    """Parameters, gradients and optimizer state per GPU (MiB), by TP degree."""
+    measured_on: dict[str, Any] = field(default_factory=dict)
+    """Host, date, device, torch and megatron-core versions, recipe file, repeats."""
+
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.forward_backward_ms))
+
+
+def recipe_shape(recipe: Recipe) -> dict[str, Any]:
+    """What a measurement depends on: the layer's shape, micro-batch and dtype."""
+    model = {k: v for k, v in asdict(recipe.model).items() if k != "num_layers"}
+    return {**model, "micro_batch_size": recipe.training.micro_batch_size,
+            "params_dtype": recipe.training.params_dtype}
 
 
 @dataclass(frozen=True)
@@ -43,6 +99,17 @@ class HardwareProfile:
     measured_layer_ms: dict[str, dict[int, float]] = field(default_factory=dict)
     """Optional measurements that replace the analytic compute term: recipe name ->
     TP degree -> milliseconds for forward+backward of one layer on one micro-batch."""
+    p2p_latency_us: float | None = None
+    p2p_bandwidth_gb_s: float | None = None
+    """Measured point-to-point messages inside a node (absent: the intra-node link)."""
+    concurrent_slots: float | None = None
+    """CPU slots: how many worker processes of one machine compute at full speed at
+    once (they share its cores; every slot of a CPU run is on that machine). A run of
+    ``n`` busy slots takes ``max(1, n / concurrent_slots)`` times as long as on
+    ``n`` independent devices. Absent for GPUs: each computes on its own."""
+    measured: dict[str, RecipeMeasurements] = field(default_factory=dict)
+    """``elastor profile``'s tables by recipe name; they replace the analytic stage
+    times and per-layer memory for a recipe of the same shape."""
 
     def __post_init__(self) -> None:
         positive = ("gpus_per_node", "memory_per_gpu_gib", "peak_tflops",
@@ -54,6 +121,12 @@ class HardwareProfile:
         if not isinstance(self.gpus_per_node, int):
             raise HardwareError(f"hardware.gpus_per_node must be an integer, got "
                                 f"{self.gpus_per_node!r}")
+        for name in ("p2p_latency_us", "p2p_bandwidth_gb_s", "concurrent_slots"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float)) or value <= 0):
+                raise HardwareError(f"hardware.{name} must be a positive number or absent, "
+                                    f"got {value!r}")
         for name in ("memory_reserved_gib", "intra_node_latency_us", "inter_node_latency_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -76,6 +149,33 @@ class HardwareProfile:
                     raise HardwareError(
                         f"hardware.measured_layer_ms[{recipe!r}][{tp!r}]={ms!r}: keys are TP "
                         f"degrees, values positive milliseconds")
+
+    def measurements_for(self, recipe: Recipe) -> RecipeMeasurements | None:
+        """The measured tables for ``recipe`` if they were taken on its shape."""
+        found = self.measured.get(recipe.name)
+        if found is None:
+            return None
+        if found.shape != recipe_shape(recipe):
+            changed = sorted(k for k in set(found.shape) | set(recipe_shape(recipe))
+                             if found.shape.get(k) != recipe_shape(recipe).get(k))
+            log.warning("hardware profile %s: the measurements of %s were taken on another "
+                        "shape (%s differ); using the analytic model. Run elastor profile "
+                        "again for this recipe.", self.name, recipe.name, ", ".join(changed))
+            return None
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML mapping ``hardware_from_dict`` reads back (without ``name``)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "name" or value is None or value == {} and f.name != "efficiency_by_tp":
+                continue
+            out[f.name] = value
+        out["measured"] = {name: asdict(m) for name, m in self.measured.items()}
+        if not out["measured"]:
+            del out["measured"]
+        return out
 
     def efficiency(self, tp: int) -> float:
         """Fraction of peak at TP degree ``tp`` (linear interpolation in the table)."""
@@ -111,10 +211,44 @@ def hardware_from_dict(data: Any, name: str = "hardware") -> HardwareProfile:
         raise HardwareError(f"{name}: measured_layer_ms must map recipe names to "
                             f"{{tp: milliseconds}}, e.g. {{llama2-7b: {{8: 41.0}}}}; got "
                             f"{data.get('measured_layer_ms')!r}") from None
+    data["measured"] = {str(recipe): _measurements(table, f"{name}: measured[{recipe!r}]")
+                        for recipe, table in (data.get("measured") or {}).items()}
     try:
         return HardwareProfile(**data)
     except TypeError as exc:
         raise HardwareError(f"{name}: {exc}") from None
+
+
+TABLES = ("forward_backward_ms", "activation_mib", "state_mib")
+
+
+def _measurements(data: Any, where: str) -> RecipeMeasurements:
+    if not isinstance(data, dict):
+        raise HardwareError(f"{where} must be a mapping (written by elastor profile)")
+    missing = sorted({"shape", *TABLES} - set(data))
+    unknown = sorted(set(data) - {f.name for f in fields(RecipeMeasurements)})
+    if missing or unknown:
+        raise HardwareError(f"{where}: missing {missing}, unknown {unknown}; measure again "
+                            f"with elastor profile")
+    tables = {}
+    for key in TABLES:
+        try:
+            tables[key] = {int(tp): StageTable(**parts) for tp, parts in data[key].items()}
+        except (AttributeError, TypeError, ValueError, HardwareError) as exc:
+            raise HardwareError(f"{where}.{key}: {exc}; each TP degree maps to "
+                                f"{{layer, stage, embedding, output}}") from None
+    if set(tables["forward_backward_ms"]) != set(tables["activation_mib"]) \
+            or set(tables["forward_backward_ms"]) != set(tables["state_mib"]):
+        raise HardwareError(f"{where}: the tables cover different TP degrees")
+    return RecipeMeasurements(shape=dict(data["shape"]), measured_on=dict(
+        data.get("measured_on") or {}), **tables)
+
+
+def write_hardware(profile: HardwareProfile, path: str | Path, header: str = "") -> None:
+    """Write ``profile`` as YAML (``header`` lines become comments at the top)."""
+    comments = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    Path(path).write_text(comments + yaml.safe_dump(profile.to_dict(), sort_keys=False,
+                                                    width=88))
 
 
 def load_hardware(path: str | Path) -> HardwareProfile:

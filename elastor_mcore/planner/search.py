@@ -109,10 +109,13 @@ class Candidate:
     grad_sync_s: float
     partitions: tuple[tuple[int, tuple[int, ...]], ...]
     """(node, TP sizes of its groups) for the nodes whose groups this layout may use."""
+    contention: float = 1.0
+    """``CostModel.contention`` of its GPU count (>= 1, so the bounds below, computed
+    without it, stay lower bounds)."""
 
     @property
     def step_s(self) -> float:
-        return self.pipeline_s + self.grad_sync_s
+        return (self.pipeline_s + self.grad_sync_s) * self.contention
 
     @property
     def gpus(self) -> int:
@@ -324,7 +327,8 @@ class PoolSearch:
         grad = self.cost.grad_sync_s(len(pipelines), min(s.gpus for s, _ in pipelines),
                                      self.book.intra_node)
         return Candidate(pipelines=pipelines, intra_node=self.book.intra_node,
-                         pipeline_s=pipeline_s, grad_sync_s=grad, partitions=partitions)
+                         pipeline_s=pipeline_s, grad_sync_s=grad, partitions=partitions,
+                         contention=self.cost.contention(sum(s.gpus for s, _ in pipelines)))
 
     def _enumerate(self, pool: dict[int, int], fixed: list[tuple[PipelineShape, int]],
                    max_stages: int, partitions: tuple[tuple[int, tuple[int, ...]], ...],

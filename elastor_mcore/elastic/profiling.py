@@ -1,0 +1,141 @@
+"""Measuring a hardware profile (``elastor profile``, and the supervisor before its
+first launch) and finding a cached one.
+
+The measurement runs in a torchrun world (``runtime.profile``: twice the largest TP
+degree measured, so that two-stage pipelines fit); its raw medians become a profile
+through ``planner.calibration``. A profile counts as *measured for* a recipe on this
+machine when it holds tables of the recipe's shape taken on this host and device kind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Sequence
+
+from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.elastic.torchrun import start_torchrun
+from elastor_mcore.planner import HardwareError, HardwareProfile, load_hardware, write_hardware
+from elastor_mcore.planner.calibration import measured_profile
+
+PROFILE_MODULE = "elastor_mcore.runtime.profile"
+CACHED_NAME = "hardware-profile.yaml"
+"""The supervisor's cached profile, beside the run directory's checkpoints."""
+Device = Literal["cpu", "cuda"]
+
+
+class ProfileError(RuntimeError):
+    """The measurement failed; the message says where its output is."""
+
+
+def default_tp_sizes(recipe: Recipe, hardware: HardwareProfile,
+                     devices: int | None = None) -> list[int]:
+    """Every TP degree the model allows within a node (and, on CUDA, that fits twice
+    on the visible devices)."""
+    limit = hardware.gpus_per_node if devices is None else min(hardware.gpus_per_node,
+                                                               devices // 2)
+    return [t for t in recipe.model.valid_tp_sizes if t <= max(1, limit)]
+
+
+def device_name(device: Device) -> str:
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def provenance(recipe_path: str, device: Device, repeats: int) -> dict:
+    """Where and when a measurement was taken."""
+    return {"host": socket.gethostname(), "device": device, "device_name": device_name(device),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": importlib.metadata.version("torch"),
+            "megatron_core": importlib.metadata.version("megatron-core"),
+            "recipe": str(recipe_path), "repeats": repeats,
+            "load_average_1min": round(os.getloadavg()[0], 2)}
+
+
+def measure(recipe_path: str, recipe: Recipe, base: HardwareProfile, tp_sizes: Sequence[int],
+            device: Device, repeats: int = 10,
+            on_line: Callable[[str], None] = print) -> HardwareProfile:
+    """Run the measurement world and return ``base`` with the measured tables and links.
+    ``on_line`` gets the world's progress lines."""
+    world = max(2, 2 * max(tp_sizes))
+    with tempfile.TemporaryDirectory(prefix="elastor-profile-") as tmp:
+        raw_path = Path(tmp) / "raw.json"
+        log_path = Path(tmp) / "torchrun.log"
+        args = ["--recipe", str(recipe_path), "--tp-sizes", ",".join(map(str, tp_sizes)),
+                "--repeats", str(repeats), "--out", str(raw_path)]
+        with open(log_path, "w") as log_file:
+            proc = start_torchrun(world, PROFILE_MODULE, args, stdout=subprocess.PIPE,
+                                  stderr=log_file, text=True)
+            for line in proc.stdout:
+                on_line(line.rstrip("\n"))
+            code = proc.wait()
+        if code or not raw_path.is_file():
+            tail = log_path.read_text()[-3000:]
+            raise ProfileError(f"the measurement world failed (exit {code}):\n{tail}")
+        raw = json.loads(raw_path.read_text())
+    return measured_profile(base, raw, recipe, provenance(recipe_path, device, repeats))
+
+
+def measured_here(profile: HardwareProfile, recipe: Recipe, device: Device) -> bool:
+    """Whether ``profile`` holds tables for ``recipe`` taken on this host and device kind."""
+    tables = profile.measurements_for(recipe)
+    return (tables is not None and tables.measured_on.get("host") == socket.gethostname()
+            and tables.measured_on.get("device") == device)
+
+
+@dataclass(frozen=True)
+class ProfileChoice:
+    """The profile a supervisor plans with, and a sentence saying which and why."""
+
+    hardware: HardwareProfile
+    path: Path
+    why: str
+
+
+def describe(profile: HardwareProfile, recipe: Recipe) -> str:
+    tables = profile.measurements_for(recipe)
+    if tables is None:
+        return "analytic estimates, not measured for this recipe"
+    on = tables.measured_on
+    return (f"measured for {recipe.name} on {on.get('host')} at {on.get('date')}, "
+            f"TP {list(tables.tp_sizes)}")
+
+
+def choose_profile(run_dir: Path, recipe_path: str, recipe: Recipe, given: Path,
+                   device: Device, measure_missing: bool,
+                   on_line: Callable[[str], None]) -> ProfileChoice:
+    """The cached ``<run_dir>/hardware-profile.yaml`` if it was measured here for the
+    recipe; else ``given`` if it was; else, with ``measure_missing``, measure once (on
+    top of ``given``) and cache it; else ``given`` as it is."""
+    cached = run_dir / CACHED_NAME
+    if cached.is_file():
+        try:
+            profile = load_hardware(cached)
+        except HardwareError as exc:
+            on_line(f"ignoring the cached profile: {exc}")
+        else:
+            if measured_here(profile, recipe, device):
+                return ProfileChoice(profile, cached, f"cached: {describe(profile, recipe)}")
+    base = load_hardware(given)
+    if measured_here(base, recipe, device):
+        return ProfileChoice(base, given, describe(base, recipe))
+    if not measure_missing:
+        return ProfileChoice(base, given, describe(base, recipe))
+    tp_sizes = default_tp_sizes(recipe, base)
+    on_line(f"measuring a hardware profile for {recipe.name} (TP {tp_sizes}), once per "
+            f"run directory ...")
+    profile = measure(recipe_path, recipe, base, tp_sizes, device, repeats=5, on_line=on_line)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_hardware(profile, cached, f"Measured by the supervisor on top of {given}.")
+    return ProfileChoice(load_hardware(cached), cached,
+                         f"measured now and cached: {describe(profile, recipe)}")

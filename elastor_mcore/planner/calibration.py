@@ -1,0 +1,126 @@
+"""From ``elastor profile``'s raw medians (``runtime.profile``) to a hardware profile.
+
+Pure arithmetic, so it can be checked by hand:
+
+* **Stages.** Per TP degree and quantity, each stage role (``single``: embedding and
+  output layer; ``first``; ``last``) was measured at two layer counts. One slope (the
+  per-layer cost) is fitted to all three roles, each with its own intercept; then the
+  embedding is what a single stage has over a last one, the output layer what it has
+  over a first one, and a stage's own cost what first and last share:
+  ``embedding = single - last``, ``output = single - first``,
+  ``stage = first + last - single`` (intercepts; negative noise is clamped to 0).
+* **Sharing the cores.** ``concurrent_slots = slots x alone / together``: a single-layer
+  step on one slot alone, then on every slot at once. Stage times were measured with
+  their TP group's ``tp`` slots busy, so they are divided by ``max(1, tp /
+  concurrent_slots)`` to stand for a slot with a core of its own.
+* **Links.** P2P: one-way time at two message sizes gives latency and bandwidth.
+  All-reduce: least squares of the ring model ``2(d-1)/d x bytes / bandwidth +
+  2(d-1) x latency`` over every group size and message size.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import replace
+from typing import Any
+
+from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.planner.hardware import (HardwareError, HardwareProfile, RecipeMeasurements,
+                                            StageTable, recipe_shape)
+
+MIB = 2**20
+QUANTITIES = {"forward_backward_ms": ("forward_backward_ms", 1.0),
+              "activation_mib": ("activation_bytes", 1 / MIB),
+              "state_mib": ("state_bytes", 1 / MIB)}
+"""Table name -> (raw record field, scale)."""
+
+
+def fit_stage_table(points: dict[str, list[tuple[int, float]]]) -> StageTable:
+    """Shared slope, one intercept per role, from ``{role: [(layers, value), ...]}``."""
+    missing = sorted({"single", "first", "last"} - set(points))
+    if missing:
+        raise HardwareError(f"profile measurements lack the {missing} stage roles")
+    num = den = 0.0
+    means = {}
+    for role, pts in points.items():
+        mean_l = sum(l for l, _ in pts) / len(pts)
+        mean_v = sum(v for _, v in pts) / len(pts)
+        means[role] = (mean_l, mean_v)
+        num += sum((l - mean_l) * (v - mean_v) for l, v in pts)
+        den += sum((l - mean_l) ** 2 for l, _ in pts)
+    if den == 0:
+        raise HardwareError("profile measurements need two layer counts per stage role")
+    slope = max(0.0, num / den)
+    a = {role: mv - slope * ml for role, (ml, mv) in means.items()}
+    return StageTable(layer=slope,
+                      stage=max(0.0, a["first"] + a["last"] - a["single"]),
+                      embedding=max(0.0, a["single"] - a["last"]),
+                      output=max(0.0, a["single"] - a["first"]))
+
+
+def concurrent_slots(parallelism: dict[str, Any]) -> float:
+    """Slots that compute at full speed at once (between 1 and the slots measured)."""
+    slots = parallelism["slots"]
+    ratio = slots * parallelism["alone_ms"] / parallelism["together_ms"]
+    return min(float(slots), max(1.0, ratio))
+
+
+def fit_p2p(points: list[dict[str, float]]) -> tuple[float, float]:
+    """(latency us, bandwidth GB/s) from one-way times at two or more sizes."""
+    small = min(points, key=lambda p: p["bytes"])
+    large = max(points, key=lambda p: p["bytes"])
+    extra_s = max(1e-9, (large["ms"] - small["ms"]) / 1e3)
+    bandwidth = (large["bytes"] - small["bytes"]) / extra_s
+    latency_s = max(1e-7, small["ms"] / 1e3 - small["bytes"] / bandwidth)
+    return latency_s * 1e6, bandwidth / 1e9
+
+
+def fit_allreduce(points: list[dict[str, float]]) -> tuple[float, float]:
+    """(latency us, bandwidth GB/s) of the ring model, least squares (non-negative)."""
+    rows = [(2 * (p["ranks"] - 1) / p["ranks"] * p["bytes"], 2 * (p["ranks"] - 1),
+             p["ms"] / 1e3) for p in points]
+    sxx = sum(x * x for x, _, _ in rows)
+    syy = sum(y * y for _, y, _ in rows)
+    sxy = sum(x * y for x, y, _ in rows)
+    sxt = sum(x * t for x, _, t in rows)
+    syt = sum(y * t for _, y, t in rows)
+    det = sxx * syy - sxy * sxy
+    inv_bw = (sxt * syy - syt * sxy) / det if det else 0.0
+    latency = (syt * sxx - sxt * sxy) / det if det else 0.0
+    if inv_bw <= 0:  # latency-bound at these sizes: fit latency alone
+        inv_bw, latency = 1e-12, syt / syy
+    if latency <= 0:
+        latency, inv_bw = 1e-7, sxt / sxx
+    return latency * 1e6, 1 / inv_bw / 1e9
+
+
+def recipe_measurements(raw: dict[str, Any], recipe: Recipe, slots: float,
+                        measured_on: dict[str, Any]) -> RecipeMeasurements:
+    """The stage tables of ``raw``; times scaled to a slot with a core of its own."""
+    grouped: dict[int, dict[str, dict[str, list[tuple[int, float]]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list)))
+    for record in raw["stages"]:
+        for table, (key, scale) in QUANTITIES.items():
+            value = record[key] * scale
+            if table == "forward_backward_ms":
+                value /= max(1.0, record["tp"] / slots)
+            grouped[record["tp"]][table][record["role"]].append((record["layers"], value))
+    tables = {table: {tp: fit_stage_table(grouped[tp][table]) for tp in sorted(grouped)}
+              for table in QUANTITIES}
+    return RecipeMeasurements(shape=recipe_shape(recipe), measured_on=measured_on, **tables)
+
+
+def measured_profile(base: HardwareProfile, raw: dict[str, Any], recipe: Recipe,
+                     measured_on: dict[str, Any]) -> HardwareProfile:
+    """``base`` with what ``raw`` measured: the recipe's tables (other recipes' tables
+    are kept), the intra-node links, P2P and, on CPU slots, how they share the cores."""
+    slots = concurrent_slots(raw["parallelism"]) if measured_on.get("device") == "cpu" \
+        else None
+    tables = recipe_measurements(raw, recipe, slots or float("inf"), measured_on)
+    ar_latency, ar_bandwidth = fit_allreduce(raw["allreduce"]) if raw["allreduce"] \
+        else (base.intra_node_latency_us, base.intra_node_bandwidth_gb_s)
+    p2p_latency, p2p_bandwidth = fit_p2p(raw["p2p"])
+    return replace(base, intra_node_latency_us=ar_latency,
+                   intra_node_bandwidth_gb_s=ar_bandwidth, p2p_latency_us=p2p_latency,
+                   p2p_bandwidth_gb_s=p2p_bandwidth, concurrent_slots=slots,
+                   measured={**base.measured, recipe.name: tables})

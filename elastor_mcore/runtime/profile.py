@@ -1,0 +1,326 @@
+"""Measure what the planner's cost model needs on the machine at hand: the torchrun
+entry point of ``elastor profile`` (``python -m elastor_mcore.runtime.profile``).
+
+Everything is timed on the runtime's own stages (``train.setup_stage``: mcore's
+GPTModel under the rank's TP group, with the loop's optimizer), one stage at a time
+while every other rank waits in a barrier (which sleeps, so the stage measured has the
+cores to itself):
+
+* per TP degree, forward + backward of one micro-batch on four stage kinds: a single
+  stage (embedding and output layer) with 1 and 4 layers, and the first and last stage
+  of two-stage pipelines split 1|3 and 3|1. Per-layer time is the slope over the
+  layer counts; the embedding, the output layer and a stage's own overhead are the
+  intercepts (``planner.calibration`` solves for them);
+* per stage, the bytes autograd saves for backward per micro-batch and the bytes of
+  parameters, gradients and optimizer state;
+* P2P ping-pong and all-reduce over 2..world ranks at two message sizes;
+* how many slots compute at full speed at once: single-layer steps on one slot alone,
+  then on every slot together.
+
+Rank 0 writes the raw medians as JSON (``--out``); ``planner.calibration`` turns them
+into a hardware profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+import warnings
+from dataclasses import replace
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from elastor_mcore.compat.process import die_with_parent
+from elastor_mcore.config.recipe import Recipe, load_recipe
+from elastor_mcore.parallel.groups import GroupCache, install
+from elastor_mcore.parallel.layout import Layout, layout_from_dict
+from elastor_mcore.runtime.train import StageRunner, device_for_rank, setup_stage
+from elastor_mcore.runtime.worker import init_distributed
+
+log = logging.getLogger(__name__)
+
+LOW, HIGH = 1, 4
+"""Layer counts of the single-stage measurements; the two-stage pipelines hold
+``HIGH`` layers split 1|3 and 3|1."""
+SEED = 1234
+WARMUP = 2
+
+
+def stage_kinds() -> list[tuple[str, int, list[int]]]:
+    """(name, layers of the measured model, layers per stage) of each measured layout."""
+    return [("single", LOW, [LOW]), ("single", HIGH, [HIGH]),
+            ("pair", HIGH, [1, HIGH - 1]), ("pair", HIGH, [HIGH - 1, 1])]
+
+
+def measurement_layout(tp: int, stage_layers: list[int], micro_batches: int) -> Layout:
+    """One pipeline of TP-``tp`` stages on ranks 0.. (idle ranks above)."""
+    stages = [{"tp": tp, "layers": n, "ranks": list(range(i * tp, (i + 1) * tp))}
+              for i, n in enumerate(stage_layers)]
+    return layout_from_dict({"pipelines": [{"micro_batches": micro_batches, "stages": stages}]})
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StageBench:
+    """Forward + backward of one micro-batch on a rank's stage, as the loop runs it
+    (input activation on later stages, output gradient on earlier ones)."""
+
+    def __init__(self, runner: StageRunner, recipe: Recipe) -> None:
+        self.runner = runner
+        groups, device = runner.groups, runner.device
+        b, s = recipe.training.micro_batch_size, recipe.model.seq_length
+        generator = torch.Generator().manual_seed(SEED)
+        vocab = recipe.model.vocab_size
+        self.tokens = torch.randint(0, vocab, (b, s), generator=generator).to(device)
+        self.labels = torch.randint(0, vocab, (b, s), generator=generator).to(device)
+        dtype = next(runner.model.parameters()).dtype
+        shape = (s, b, recipe.model.hidden_size)
+        self.hidden = torch.randn(shape, generator=generator).to(device, dtype)
+        self.grad = (torch.randn(shape, generator=generator) * 1e-3).to(device, dtype)
+        self.first, self.last = groups.is_first_stage, groups.is_last_stage
+        self.tokens_per_batch = b * s
+
+    def step(self) -> None:
+        model, runner = self.runner.model, self.runner
+        if not self.first:
+            model.set_input_tensor(self.hidden.clone().requires_grad_(True))
+        out = model(self.tokens if self.first else None, runner.positions,
+                    attention_mask=runner.mask, labels=self.labels if self.last else None)
+        if self.last:
+            (out.float().sum() / self.tokens_per_batch).backward()
+        else:
+            torch.autograd.backward(out, grad_tensors=self.grad)
+
+    def saved_bytes(self) -> int:
+        """Bytes autograd keeps for backward during one forward (each storage once)."""
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model = self.runner.model
+            if not self.first:
+                model.set_input_tensor(self.hidden.clone().requires_grad_(True))
+            out = model(self.tokens if self.first else None, self.runner.positions,
+                        attention_mask=self.runner.mask,
+                        labels=self.labels if self.last else None)
+        (out.float().sum() if self.last else (out * self.grad).sum()).backward()
+        return sum(seen.values())
+
+    def state_bytes(self) -> int:
+        """Weights, fp32 gradients and optimizer state (fp32 main parameters and moments,
+        made by one step) of the stage on this rank."""
+        self.runner.optimizer.step()
+        params = list(self.runner.model.parameters())
+        grads = sum(p.numel() * 4 for p in params)
+        low_precision = sum(p.numel() * p.element_size() for p in params
+                            if p.dtype != torch.float32)  # fp32 weights are the main copy
+        return low_precision + grads + self.runner.optimizer.state_nbytes()
+
+
+def timed_once(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds one call of ``fn`` takes (device work included)."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def slowest_median_ms(times: list[float], group) -> float:
+    """Median over repetitions of the slowest rank of ``group`` (None: the world)."""
+    tensor = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return float(tensor.median()) * 1e3
+
+
+def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: GroupCache,
+                   progress: Callable[[str], None]) -> list[dict]:
+    """One record per (TP, layout, stage): forward+backward ms, bytes. The stages of
+    one TP degree are timed round-robin, one repetition of each in turn, so that a
+    change in the machine's load shifts all of them alike."""
+    records = []
+    micro = recipe.training.total_micro_batches
+    for tp in tp_sizes:
+        slots: list[tuple[str, int, StageBench | None]] = []
+        for kind, num_layers, stage_layers in stage_kinds():
+            measured = replace(recipe, model=replace(recipe.model, num_layers=num_layers))
+            runner = setup_stage(measured, measurement_layout(tp, stage_layers, micro), SEED,
+                                 cache)
+            for stage, layers in enumerate(stage_layers):
+                role = "single" if kind == "single" else "first" if stage == 0 else "last"
+                mine = runner is not None and runner.groups.position.stage == stage
+                slots.append((role, layers, StageBench(runner, measured) if mine else None))
+        times: list[list[float]] = [[] for _ in slots]
+        for repetition in range(WARMUP + repeats):
+            for i, (_, _, bench) in enumerate(slots):
+                dist.barrier()
+                if bench is not None:
+                    install(bench.runner.groups)  # mcore reads the TP view at call time
+                    elapsed = timed_once(bench.step, bench.runner.device)
+                    if repetition >= WARMUP:
+                        times[i].append(elapsed)
+        dist.barrier()
+        for i, (role, layers, bench) in enumerate(slots):
+            if bench is None:
+                continue
+            groups = bench.runner.groups
+            install(groups)
+            ms = slowest_median_ms(times[i], groups.tp)
+            saved, state = bench.saved_bytes(), bench.state_bytes()
+            if groups.rank == groups.tp_ranks[0]:
+                records.append({"tp": tp, "role": role, "layers": layers,
+                                "forward_backward_ms": ms, "activation_bytes": saved,
+                                "state_bytes": state})
+        dist.barrier()
+        progress(f"TP {tp}: {len(slots)} stages measured")
+    gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, records)
+    return [r for part in gathered for r in part]
+
+
+def measure_p2p(sizes: list[int], repeats: int, device: torch.device) -> list[dict]:
+    """Ping-pong between ranks 0 and 1: one-way time per message size."""
+    out = []
+    rank = dist.get_rank()
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, nbytes // 4), device=device)
+
+        def ping_pong() -> None:
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        dist.barrier()
+        if rank in (0, 1):
+            out.append({"bytes": buf.numel() * 4,
+                        "ms": pair_time(ping_pong, repeats, device) / 2})
+        dist.barrier()
+    return out
+
+
+def pair_time(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
+    """Median ms of ``fn`` on this rank (ranks 0 and 1 run it together)."""
+    for _ in range(WARMUP):
+        fn()
+    return statistics.median(timed_once(fn, device) for _ in range(repeats)) * 1e3
+
+
+def measure_allreduce(sizes: list[int], repeats: int, cache: GroupCache,
+                      device: torch.device) -> list[dict]:
+    """All-reduce over ranks 0..d-1 for d = 2, 4, ... up to the world."""
+    out = []
+    world = dist.get_world_size()
+    for d in [d for d in (2, 4, 8, 16) if d <= world]:
+        group = cache.get(range(d))
+        for nbytes in sizes:
+            dist.barrier()
+            if dist.get_rank() < d:
+                buf = torch.zeros(max(1, nbytes // 4), device=device)
+
+                def reduce() -> None:
+                    dist.all_reduce(buf, group=group)
+
+                for _ in range(WARMUP):
+                    reduce()
+                ms = slowest_median_ms([timed_once(reduce, device) for _ in range(repeats)],
+                                       group)
+                if dist.get_rank() == 0:
+                    out.append({"ranks": d, "bytes": buf.numel() * 4, "ms": ms})
+            dist.barrier()
+    return out
+
+
+def measure_parallelism(recipe: Recipe, repeats: int, cache: GroupCache) -> dict:
+    """Single-layer TP-1 steps on slot 0 alone, then on every slot at once, in turn:
+    how many slots compute at full speed together (``world x alone / together``)."""
+    world = dist.get_world_size()
+    one = replace(recipe, model=replace(recipe.model, num_layers=1))
+    micro = recipe.training.total_micro_batches
+    split = [micro // world + (i < micro % world) for i in range(world)]
+    layout = layout_from_dict({"pipelines": [
+        {"micro_batches": max(1, m), "stages": [{"tp": 1, "layers": 1, "ranks": [r]}]}
+        for r, m in enumerate(split)]})
+    runner = setup_stage(one, layout, SEED, cache)
+    install(runner.groups)
+    bench = StageBench(runner, one)
+    alone, together = [], []
+    for repetition in range(WARMUP + repeats):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            elapsed = timed_once(bench.step, runner.device)
+            if repetition >= WARMUP:
+                alone.append(elapsed)
+        dist.barrier()
+        elapsed = timed_once(bench.step, runner.device)
+        if repetition >= WARMUP:
+            together.append(elapsed)
+    alone_ms = statistics.median(alone) * 1e3 if alone else 0.0
+    return {"slots": world, "alone_ms": alone_ms,
+            "together_ms": slowest_median_ms(together, None)}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="elastor_mcore.runtime.profile")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--tp-sizes", required=True, help="comma-separated TP degrees")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", required=True, help="JSON file for the raw medians")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    warnings.filterwarnings("ignore")
+    die_with_parent()
+    args = parse_args(argv)
+    recipe = load_recipe(args.recipe)
+    tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+    init_distributed()
+    rank = dist.get_rank()
+
+    def progress(line: str) -> None:
+        if rank == 0:
+            print(f"elastor profile:   {line}", flush=True)
+
+    cache = GroupCache()
+    try:
+        device = device_for_rank()
+        started = time.perf_counter()
+        stages = measure_stages(recipe, tp_sizes, args.repeats, cache, progress)
+        dtype_bytes = 4 if recipe.training.params_dtype == "float32" else 2
+        message = (recipe.training.micro_batch_size * recipe.model.seq_length
+                   * recipe.model.hidden_size * dtype_bytes)
+        sizes = [message, 4 * 2**20]
+        p2p = measure_p2p(sizes, 4 * args.repeats, device)
+        allreduce = measure_allreduce(sizes, 2 * args.repeats, cache, device)
+        progress(f"P2P and all-reduce measured ({len(p2p)} + {len(allreduce)} sizes)")
+        parallel = measure_parallelism(recipe, args.repeats, cache)
+        progress(f"parallelism: one slot {parallel['alone_ms']:.2f} ms per layer step, "
+                 f"{parallel['slots']} together {parallel['together_ms']:.2f} ms")
+        if rank == 0:
+            with open(args.out, "w") as f:
+                json.dump({"stages": stages, "p2p": p2p, "allreduce": allreduce,
+                           "parallelism": parallel, "world": dist.get_world_size(),
+                           "seconds": time.perf_counter() - started}, f, indent=1)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
