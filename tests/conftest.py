@@ -70,3 +70,25 @@ def megatron_lm_dir() -> Path:
         if not (path / need).is_file():
             pytest.fail(f"{MEGATRON_LM_ENV}={value} is not a Megatron-LM checkout: no {need}")
     return path
+
+
+@pytest.fixture(scope="session")
+def patched_megatron_lm(megatron_lm_dir) -> Path:
+    """A patched copy of $MEGATRON_LM_DIR (the checkout stays unmodified), for running the
+    real ``pretrain_gpt.py`` (``tests/pretrain_gpt_run.py``); skipped unless the
+    checkout's release is the installed megatron-core's and megatron.training imports."""
+    import importlib.util
+
+    from elastor_mcore.compat.mcore import mcore_version
+    from tests.pretrain_gpt_run import checkout_release, patched_checkout
+
+    release, installed = checkout_release(megatron_lm_dir), mcore_version()[:2]
+    if release != installed:
+        pytest.skip(f"{MEGATRON_LM_ENV}={megatron_lm_dir} is Megatron-LM "
+                    f"{'.'.join(map(str, release)) if release else 'of an unknown release'}"
+                    f", the installed megatron-core is {'.'.join(map(str, installed))}: "
+                    f"point it at the matching release (.ci/run extracts it)")
+    for module in ("six", "triton"):  # imported by megatron.training on every path
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"importing megatron.training needs {module}: pip install {module}")
+    return patched_checkout(megatron_lm_dir)

@@ -1,0 +1,197 @@
+"""The CPU shims ``sitecustomize`` registers (see there). Each one runs right after the
+module it patches is imported, through a ``sys.meta_path`` finder, so a module that
+binds a patched name by value (``from megatron.training.initialize import
+initialize_megatron`` in ``training.py``) already gets the patched one.
+
+Line numbers are Megatron-LM ``core_v0.16.1`` / ``core_v0.19.0``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.util
+import sys
+from typing import Callable, Iterator
+
+_PATCHES: dict[str, Callable] = {}
+
+
+def after_import(module_name: str):
+    """Run the decorated function with the module once ``module_name`` is executed."""
+    def register(fn):
+        _PATCHES[module_name] = fn
+        return fn
+    return register
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader, patch):
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        patch = _PATCHES.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+def register() -> None:
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _is_cuda(device) -> bool:
+    import torch
+
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cuda_to_cpu_mode():
+    """A TorchFunctionMode creating ``device="cuda"`` tensors on CPU, making
+    ``Tensor.cuda()`` / ``Module.cuda()`` keep tensors where they are and naming host
+    tensors' types as CUDA ones."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class CudaToCpu(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.Tensor.cuda:
+                return args[0]
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                # clip_grads.py:167 asserts grad.type() == 'torch.cuda.FloatTensor':
+                # host tensors stand for device tensors, under the device's type name.
+                name = func(*args)
+                return name.replace("torch.", "torch.cuda.", 1) if args[0].is_cpu else name
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+            if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+                args = (args[0], "cpu", *args[2:])
+            return func(*args, **kwargs)
+
+    return CudaToCpu()
+
+
+class _NoStream:
+    """``torch.cuda.Stream`` on CPU: nothing to order."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _one_fake_cuda_device() -> Iterator[None]:
+    """``torch.cuda.device_count()`` is 1 and ``set_device`` does nothing, for the
+    duration of one Megatron-LM function that skips its setup without a device."""
+    import torch
+
+    saved = torch.cuda.device_count, torch.cuda.set_device
+    torch.cuda.device_count, torch.cuda.set_device = (lambda: 1), (lambda device: None)
+    try:
+        yield
+    finally:
+        torch.cuda.device_count, torch.cuda.set_device = saved
+
+
+def _within(context: Callable, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with context():
+            return fn(*args, **kwargs)
+    return wrapper
+
+
+# ----------------------------------------------------------------- the shims
+
+
+@after_import("megatron.training.initialize")
+def _initialize(module) -> None:
+    # elastor's own Megatron-Core CPU shims: torch.cuda.current_device() is "cpu" (used
+    # as device= all over mcore and megatron/training), synchronize() is a no-op, and
+    # the CUDA RNG tracker forks CPU generator states.
+    from elastor_mcore.compat import cpu
+
+    cpu.apply()
+    # rerun_state_machine.py:957/970 (mcore 0.16; :979/992 in 0.19) and
+    # checkpointing.py's get_rng_state save and restore torch.cuda's RNG state next to
+    # the CPU one; without CUDA there is none: an empty state, restoring it does nothing.
+    import torch
+
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    torch.cuda.set_rng_state = lambda *args, **kwargs: None
+    original = module.initialize_megatron
+
+    # initialize.py:60-62 `assert torch.cuda.is_available(), "Megatron requires CUDA."`
+    @functools.wraps(original)
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    module.initialize_megatron = initialize_megatron
+    # initialize.py:359 (0.16.1) `if device_count > 0:` guards mpu.initialize_model_parallel
+    # (and :328 torch.cuda.set_device); :422 guards model_parallel_cuda_manual_seed.
+    module._initialize_distributed = _within(_one_fake_cuda_device,
+                                             module._initialize_distributed)
+    module._set_random_seed = _within(_one_fake_cuda_device, module._set_random_seed)
+
+
+@after_import("megatron.training.training")
+def _training(module) -> None:
+    import torch
+
+    # training.py:806/812 (startup timestamps), :1816, :2072, :2373, :3225, :3406
+    # create tensors with device='cuda'; :1258 model_module.cuda(...). One mode, on for
+    # the rest of the process, covers them (and the same in utils.py/checkpointing.py).
+    _cuda_to_cpu_mode().__enter__()
+    # training.py:1325-1344 builds DDP under a side torch.cuda.Stream().
+    torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+
+
+@after_import("megatron.core.datasets.utils")
+def _dataset_utils(module) -> None:
+    # initialize.py:186-191 (0.16.1) calls compile_helpers(), which runs `make` in the
+    # installed megatron/core/datasets; the wheel ships helpers_cpp prebuilt and no
+    # Makefile. Compile only if the prebuilt module is missing.
+    original = module.compile_helpers
+
+    @functools.wraps(original)
+    def compile_helpers():
+        if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+            original()
+
+    module.compile_helpers = compile_helpers
+
+
+@after_import("megatron.legacy.fused_kernels")
+def _fused_kernels(module) -> None:
+    # initialize.py:224/228 (0.16.1) fused_kernels.load(args) runs CUDA_HOME/bin/nvcc -V
+    # (CUDA_HOME is None on CPU); it builds no kernel the local transformer uses.
+    module.load = lambda args: None

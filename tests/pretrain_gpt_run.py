@@ -1,0 +1,159 @@
+"""Run Megatron-LM's real ``pretrain_gpt.py`` (patched with Elastor's hooks) under torchrun
+on CPU/gloo, and read its per-iteration losses from its own log lines.
+
+The checkout named by ``MEGATRON_LM_DIR`` is never modified: ``patched_checkout``
+copies it (a few MB of Python) and applies ``tools/apply_megatron_patch.sh`` to the
+copy. ``tests/megatron_lm_cpu`` goes first on the workers' ``PYTHONPATH``; its
+``sitecustomize`` shims the places where Megatron-LM's training code needs CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from elastor_mcore.config.recipe import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+CPU_SHIMS = REPO / "tests" / "megatron_lm_cpu"
+APPLY_PATCH = REPO / "tools" / "apply_megatron_patch.sh"
+TINY = REPO / "recipes" / "tiny-llama.yaml"
+
+_LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.eE]+) \|")
+_SKIPPED = re.compile(r"number of skipped iterations:\s+(\d+)")
+_patched: dict[Path, Path] = {}
+
+
+def tiny_model_args(recipe_path: Path = TINY) -> list[str]:
+    """Megatron-LM flags for the recipe's model and optimizer: Llama-style (RMSNorm,
+    SwiGLU, RoPE, GQA, no biases, untied embeddings), the local transformer (no TE,
+    no fused CUDA kernels), constant lr, no dropout."""
+    recipe = load_recipe(recipe_path)
+    m, t = recipe.model, recipe.training
+    o = t.optimizer
+    return [
+        "--num-layers", str(m.num_layers), "--hidden-size", str(m.hidden_size),
+        "--num-attention-heads", str(m.num_attention_heads),
+        "--group-query-attention", "--num-query-groups", str(m.num_query_groups),
+        "--ffn-hidden-size", str(m.ffn_hidden_size), "--seq-length", str(m.seq_length),
+        "--max-position-embeddings", str(m.max_position_embeddings or m.seq_length),
+        "--normalization", "RMSNorm", "--norm-epsilon", str(m.norm_epsilon), "--swiglu",
+        "--position-embedding-type", "rope", "--rotary-base", str(m.rotary_base),
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--init-method-std", str(m.init_method_std),
+        "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion",
+        "--no-persist-layer-norm",
+        "--micro-batch-size", str(t.micro_batch_size), "--seed", str(t.seed),
+        "--lr", str(o.lr), "--min-lr", str(o.lr), "--lr-decay-style", "constant",
+        "--weight-decay", str(o.weight_decay), "--adam-beta1", str(o.adam_beta1),
+        "--adam-beta2", str(o.adam_beta2), "--adam-eps", str(o.adam_eps),
+        "--clip-grad", str(o.clip_grad),
+    ]
+
+
+def data_args(vocab_size: int) -> list[str]:
+    """Deterministic data and a tokenizer without files: Megatron's mock GPT dataset
+    and ``NullTokenizer``; no evaluation."""
+    return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+            str(vocab_size), "--eval-iters", "0", "--eval-interval", "1000000",
+            "--log-interval", "1", "--distributed-backend", "gloo"]
+
+
+def default_args() -> list[str]:
+    """The tiny model on mock data: everything but layout, batch and iteration flags."""
+    return tiny_model_args() + data_args(load_recipe(TINY).model.vocab_size)
+
+
+def checkout_release(megatron_lm_dir: Path) -> tuple[int, int] | None:
+    """The (major, minor) Megatron-Core release a Megatron-LM checkout belongs to: that
+    of the patch in ``patches/`` whose dry run fits its ``pretrain_gpt.py`` (the
+    archives carry no ``megatron/core`` to ask); None if none fits."""
+    for patch in sorted((REPO / "patches").glob("*.patch")):
+        with patch.open() as stdin:
+            fits = subprocess.run(["patch", "--dry-run", "--forward", "--silent", "-p1",
+                                   "-d", str(megatron_lm_dir)], stdin=stdin,
+                                  capture_output=True).returncode == 0
+        header = re.search(r"^Applies to: .* core_[rv](\d+)\.(\d+)", patch.read_text(), re.M)
+        if fits and header:
+            return int(header.group(1)), int(header.group(2))
+    return None
+
+
+def patched_checkout(megatron_lm_dir: Path) -> Path:
+    """A patched copy of ``megatron_lm_dir`` (made once per process)."""
+    source = Path(megatron_lm_dir).resolve()
+    if source not in _patched:
+        copy = Path(tempfile.mkdtemp(prefix="megatron-lm-patched-")) / source.name
+        shutil.copytree(source, copy, ignore=shutil.ignore_patterns("__pycache__"))
+        result = subprocess.run([str(APPLY_PATCH), str(copy)], capture_output=True,
+                                text=True)
+        if result.returncode:
+            raise RuntimeError(f"{APPLY_PATCH} {copy} failed:\n{result.stdout}{result.stderr}")
+        _patched[source] = copy
+    return _patched[source]
+
+
+@dataclass
+class PretrainRun:
+    """One ``pretrain_gpt.py`` run: its exit status, losses and output."""
+
+    command: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    losses: dict[int, float] = field(default_factory=dict)
+    """Iteration -> ``lm loss`` from Megatron-LM's log lines (``--log-interval 1``)."""
+    skipped: list[int] = field(default_factory=list)
+    """Megatron-LM's "number of skipped iterations" of each logged iteration."""
+
+    def tail(self, chars: int = 6000) -> str:
+        """The end of both streams, for assertion messages."""
+        return (f"$ {' '.join(self.command)}\nexit {self.returncode}\n"
+                f"--- stdout ---\n{self.stdout[-chars:]}\n--- stderr ---\n"
+                f"{self.stderr[-chars:]}")
+
+
+def run_pretrain_gpt(megatron_lm_dir: Path, nproc: int, args: list[str], workdir: Path,
+                     timeout: float = 300, env: dict[str, str] | None = None
+                     ) -> PretrainRun:
+    """Run the patched ``pretrain_gpt.py`` of ``megatron_lm_dir`` on ``nproc`` CPU ranks
+    (``torchrun --standalone``) with ``args`` after ``default_args()``, in ``workdir``.
+
+    The run is stopped (SIGTERM, then SIGKILL to its process group) after ``timeout``
+    seconds; it then returns with returncode -9 and what it printed so far."""
+    script = patched_checkout(megatron_lm_dir) / "pretrain_gpt.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(script), *default_args(), *args]
+    path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
+    run_env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1",
+                   CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore")
+    run_env.update(env or {})
+    workdir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(command, cwd=workdir, env=run_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        stderr += f"\n[run_pretrain_gpt: stopped after {timeout:.0f} s]"
+    run = PretrainRun(command, proc.returncode, stdout, stderr)
+    for line in stdout.splitlines():
+        if m := _LOG_LINE.search(line):
+            run.losses[int(m.group(1))] = float(m.group(2))
+            if s := _SKIPPED.search(line):
+                run.skipped.append(int(s.group(1)))
+    return run
