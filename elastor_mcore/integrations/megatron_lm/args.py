@@ -58,21 +58,43 @@ def extra_args_provider(base: Callable | None = None) -> Callable:
     return provider
 
 
-def recipe_from_args(args: argparse.Namespace) -> Recipe:
+def llama_differences(args: argparse.Namespace) -> list[str]:
+    """How Megatron-LM's arguments differ from the Llama-style decoder a ``ModelConfig``
+    describes (RMSNorm, SwiGLU, RoPE, no biases, untied embeddings); empty if none."""
+    checks = (("--normalization RMSNorm", args.normalization == "RMSNorm"),
+              ("--swiglu", args.swiglu),
+              ("--position-embedding-type rope", args.position_embedding_type == "rope"),
+              ("--disable-bias-linear", not args.add_bias_linear),
+              ("--untie-embeddings-and-output-weights",
+               args.untie_embeddings_and_output_weights),
+              ("no --qk-layernorm", not getattr(args, "qk_layernorm", False)),
+              ("no --num-experts", not getattr(args, "num_experts", None)))
+    return [flag for flag, holds in checks if not holds]
+
+
+def recipe_from_args(args: argparse.Namespace, vocab_size: int | None = None) -> Recipe:
     """The model and batch shape Megatron-LM's arguments describe, as a Recipe, so the
-    layout is validated like any Elastor layout."""
+    layout is validated like any Elastor layout.
+
+    ``vocab_size`` is the tokenizer's (unpadded) vocabulary; without it ``--vocab-size``
+    is used, never Megatron's ``padded_vocab_size`` (padding it again would record a
+    wrong vocabulary)."""
     heads = args.num_attention_heads
+    vocab = vocab_size or args.vocab_size
+    if not vocab:
+        raise ValueError("the vocabulary size is unknown: pass --vocab-size (or a tokenizer "
+                         "that defines it) with --elastor-layout / --elastor-ckpt-format")
     model = ModelConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else heads,
         ffn_hidden_size=args.ffn_hidden_size,
-        vocab_size=args.padded_vocab_size or args.vocab_size,
+        vocab_size=vocab,
         seq_length=args.seq_length,
         max_position_embeddings=args.max_position_embeddings,
         rotary_base=int(args.rotary_base),
-        norm_epsilon=args.norm_epsilon,
+        norm_epsilon=args.layernorm_epsilon,
         init_method_std=args.init_method_std,
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
     )
@@ -82,7 +104,18 @@ def recipe_from_args(args: argparse.Namespace) -> Recipe:
     return Recipe(name="megatron-lm", model=model, training=training)
 
 
-def options_from_args(args: argparse.Namespace) -> ElastorOptions:
+def _tokenizer_vocab_size() -> int | None:
+    """The unpadded vocabulary of Megatron-LM's tokenizer (built before the parallel
+    state), or None before it exists."""
+    from megatron.training import get_tokenizer
+
+    try:
+        return get_tokenizer().vocab_size
+    except AssertionError:  # megatron.training.global_vars: "tokenizer is not initialized"
+        return None
+
+
+def options_from_args(args: argparse.Namespace, vocab_size: int | None = None) -> ElastorOptions:
     """Hook options from parsed Megatron-LM arguments (validates the layout)."""
     if args.elastor_ckpt_keep < 0:
         raise ValueError(f"--elastor-ckpt-keep={args.elastor_ckpt_keep}: use 0 (keep all) "
@@ -92,10 +125,15 @@ def options_from_args(args: argparse.Namespace) -> ElastorOptions:
         raise ValueError(f"--elastor-ckpt-format {args.elastor_ckpt_format} replaces the "
                          f"torch_dist backend; drop --ckpt-format {ckpt_format} (the default, "
                          f"torch_dist, is needed)")
-    recipe = recipe_from_args(args)
+    recipe = recipe_from_args(args, vocab_size)
     layout = load_layout(args.elastor_layout, recipe) if args.elastor_layout else None
     split = tuple(args.elastor_split_sizes or recipe.model.valid_tp_sizes)
-    extra = {"model": recipe.to_dict()["model"]}
+    differences = llama_differences(args)
+    extra = {} if differences else {"model": recipe.to_dict()["model"]}
+    if differences:
+        log.info("not recording a model in zarr manifests: the Megatron-LM model is not "
+                 "Llama-style (needs %s); `elastor convert --to hf` will need --recipe",
+                 ", ".join(differences))
     if layout is not None:
         extra["layout"] = layout.to_dict()
     return ElastorOptions(
@@ -137,7 +175,8 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None) -> None:
         args.pipeline_model_parallel_layout = mcore_pipeline_layout(stage_layers)
         args.decoder_first_pipeline_num_layers = None
         args.decoder_last_pipeline_num_layers = None
-    args.padded_vocab_size = recipe_from_args(args).model.padded_vocab_size
+    args.padded_vocab_size = recipe_from_args(
+        args, _tokenizer_vocab_size()).model.padded_vocab_size
 
 
 def install_hooks() -> None:
@@ -145,5 +184,5 @@ def install_hooks() -> None:
     parsed arguments when first needed."""
     from megatron.training import get_args
 
-    hooks.install(lambda: options_from_args(get_args()),
+    hooks.install(lambda: options_from_args(get_args(), _tokenizer_vocab_size()),
                            on_parallel_state=lambda groups: adapt_args(get_args(), groups))
