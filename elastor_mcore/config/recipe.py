@@ -178,6 +178,10 @@ class TrainingConfig:
     parameters under AdamW, as Megatron's ``--bf16``."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    distributed_optimizer: bool = False
+    """ZeRO-1, as Megatron's ``--use-distributed-optimizer``: the fp32 main parameters
+    and moments of each piece are sharded across the ranks holding it
+    (``runtime/distributed_optimizer.py``); same losses, checkpoints either way."""
 
     def __post_init__(self) -> None:
         if self.global_batch_size % self.micro_batch_size:
@@ -187,6 +191,9 @@ class TrainingConfig:
         if self.params_dtype not in ("float32", "bfloat16"):
             raise RecipeError(
                 f"training.params_dtype={self.params_dtype!r}: use 'float32' or 'bfloat16'")
+        if not isinstance(self.distributed_optimizer, bool):
+            raise RecipeError(f"training.distributed_optimizer={self.distributed_optimizer!r}: "
+                              f"use true or false")
         self._check_schedule()
 
     def _check_schedule(self) -> None:

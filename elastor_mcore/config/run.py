@@ -130,6 +130,11 @@ class RunSettings:
         "resume from the latest committed step under DIR, under the current layout "
         "(weights, optimizer, RNG, data position, step)", ("train", "worker"),
         flag="--load", metavar="DIR"))
+    report_memory: bool = field(default=False, metadata=setting(
+        "print every rank's optimizer-state bytes (fp32 main parameters and Adam "
+        "moments, measured on its tensors) next to the formula: 12 bytes per parameter, "
+        "divided by its replica count under training.distributed_optimizer",
+        ("train", "worker")))
     allow_data_change: bool = field(default=False, metadata=setting(
         "resume even if the corpus or tokenizer differs from the checkpoint's (the "
         "sample stream changes; logged as a warning)", ("train", "launch", "worker")))

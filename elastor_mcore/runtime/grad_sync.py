@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from elastor_mcore.parallel.groups import GroupCache
 from elastor_mcore.parallel.layout import Layout
-from elastor_mcore.geometry import Cell, common_refinement, local_view
+from elastor_mcore.geometry import Box, Cell, ShardInfo, common_refinement, local_view
 from elastor_mcore.parallel.shards import gather_shard_infos, owning_parameter, shard_info, sharded_tensors, view_like
 
 log = logging.getLogger(__name__)
@@ -78,19 +78,56 @@ def reduction_plan(cells: list[Cell], pipeline_of: dict[int, int]):
     return dict(sorted(plan.items()))
 
 
+@dataclass(frozen=True)
+class LocalPiece:
+    """One ShardedTensor of this rank: its view into ``param`` and its global box."""
+
+    data: torch.Tensor
+    param: torch.nn.Parameter
+    info: ShardInfo
+
+    def view(self, like_param: torch.Tensor, cell: Box) -> torch.Tensor:
+        """The part of ``like_param`` (the parameter, its gradient, anything laid out
+        like the parameter) that is ``cell`` of the global tensor."""
+        return local_view(view_like(self.data, self.param, like_param), self.info.box, cell)
+
+
+@dataclass
+class Refinement:
+    """Every rank's shards cut into the cells of their common refinement, with this
+    rank's pieces (empty on idle ranks). Built on every world rank (collective)."""
+
+    cells: list[Cell]
+    shapes: dict[str, tuple[int, ...]]   # global shape of every key
+    pipeline_of: dict[int, int]
+    local: dict[str, LocalPiece]
+
+    @classmethod
+    def build(cls, layout: Layout, model: torch.nn.Module | None,
+              world_group=None) -> "Refinement":
+        shards = sharded_tensors(model) if model is not None else []
+        infos = [shard_info(st) for st in shards]
+        gathered = gather_shard_infos(infos, world_group)
+        cells = common_refinement(gathered)
+        shapes = {i.key: i.global_shape for held in gathered.values() for i in held}
+        local = {info.key: LocalPiece(st.data, owning_parameter(model, st.data), info)
+                 for st, info in zip(shards, infos)}
+        return cls(cells, shapes, {r: layout.position(r).pipeline for r in layout.ranks},
+                   local)
+
+
 class GradientSynchronizer:
     """Built once per layout on every world rank (group creation is collective)."""
 
     def __init__(self, layout: Layout, model: torch.nn.Module | None, cache: GroupCache,
                  world_group=None) -> None:
         rank = dist.get_rank()
-        shards = sharded_tensors(model) if model is not None else []
-        infos = [shard_info(st) for st in shards]
-        cells = common_refinement(gather_shard_infos(infos, world_group))
-        pipeline_of = {r: layout.position(r).pipeline for r in layout.ranks}
+        refinement = Refinement.build(layout, model, world_group)
+        cells, pipeline_of = refinement.cells, refinement.pipeline_of
         plan = reduction_plan(cells, pipeline_of)
         self._buckets: list[_Bucket] = []
         self._norm_views: list[torch.Tensor] = []
+        self._grads: list[torch.Tensor] = []
         if model is None:
             for holders in plan:
                 cache.get(holders)
@@ -98,26 +135,24 @@ class GradientSynchronizer:
         for p in model.parameters():
             if grad_buffer(p) is None:
                 p.grad = torch.zeros_like(p)
-        local = {}
-        for st, info in zip(shards, infos):
-            param = owning_parameter(model, st.data)
-            local[info.key] = (view_like(st.data, param, grad_buffer(param)), info)
+        self._grads = [grad_buffer(p) for p in model.parameters()]
+        local = refinement.local
         for holders, bucket_cells in plan.items():
             group = cache.get(holders)
             if rank not in holders:
                 continue
             pieces = []
             for cell in bucket_cells:
-                grad, info = local[cell.key]
+                piece = local[cell.key]
                 first_in_pipeline = min(h for h in holders
                                         if pipeline_of[h] == pipeline_of[rank])
-                pieces.append(_Piece(local_view(grad, info.box, cell.box),
+                pieces.append(_Piece(piece.view(grad_buffer(piece.param), cell.box),
                                      contributes=rank == first_in_pipeline))
             self._buckets.append(_Bucket(holders, group, pieces))
         for cell in cells:
             if cell.holders[0] == rank:
-                grad, info = local[cell.key]
-                self._norm_views.append(local_view(grad, info.box, cell.box))
+                piece = local[cell.key]
+                self._norm_views.append(piece.view(grad_buffer(piece.param), cell.box))
         log.info("rank %d: %d reduction buckets, %d elements", rank, len(self._buckets),
                  sum(b.numel for b in self._buckets))
 
@@ -148,3 +183,9 @@ class GradientSynchronizer:
             local += view.double().pow(2).sum()
         dist.all_reduce(local, group=active_group)
         return float(local.sqrt())
+
+    @torch.no_grad()
+    def scale_(self, factor: float) -> None:
+        """Multiply every gradient by ``factor`` (clipping)."""
+        for grad in self._grads:
+            grad.mul_(factor)

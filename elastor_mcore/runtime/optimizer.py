@@ -11,6 +11,10 @@ Reduction, the norm and clipping act on ``main_grad`` (``grad_sync.grad_buffer``
 The learning rate and weight decay follow ``training.lr_schedule`` through mcore's
 ``OptimizerParamScheduler``, stepped like Megatron-LM's loop: by the global batch
 after every optimizer step, its lengths counted in samples.
+
+``StageOptimizer`` holds the state of every local parameter; the distributed optimizer
+(ZeRO-1, ``runtime/distributed_optimizer.py``) builds on the same pieces here
+(``add_main_grad``, ``adamw``, ``lr_scheduler``) for the parts a rank owns.
 """
 
 from __future__ import annotations
@@ -47,6 +51,46 @@ def lr_scheduler(optimizer: torch.optim.Optimizer, recipe: Recipe) -> OptimizerP
         lr_wsd_decay_style=schedule.lr_wsd_decay_style)
 
 
+STATE_BYTES_PER_ELEMENT = 12
+"""fp32 main parameter + AdamW's two fp32 moments."""
+
+
+def add_main_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    """Give ``param`` an fp32 ``main_grad`` laid out like it, into which a hook adds
+    each backward's bf16 gradient (Megatron's DDP hook); returns it."""
+    param.main_grad = torch.zeros_like(param, dtype=torch.float32)
+
+    def accumulate(p: torch.Tensor) -> None:
+        p.main_grad.add_(p.grad)
+        p.grad = None
+
+    param.register_post_accumulate_grad_hook(accumulate)
+    return param.main_grad
+
+
+def adamw(recipe: Recipe, decayed: list[torch.Tensor],
+          not_decayed: list[torch.Tensor]) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` with the recipe's settings. No weight decay on 1-D tensors
+    (norms), as Megatron: ``wd_mult`` 0 keeps it at zero while the scheduler sets the
+    decay of the other group."""
+    opt = recipe.training.optimizer
+    return torch.optim.AdamW(
+        [{"params": decayed, "wd_mult": 1.0}, {"params": not_decayed, "wd_mult": 0.0}],
+        lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2),
+        eps=opt.adam_eps)
+
+
+def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors an AdamW holds: its parameters (the fp32 main parameters)
+    and their per-parameter state (moments), as allocated now."""
+    total = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            total += p.nbytes + sum(v.nbytes for k, v in optimizer.state[p].items()
+                                    if k != "step" and torch.is_tensor(v))
+    return total
+
+
 class StageOptimizer:
     """One rank's AdamW over fp32 main parameters, with its lr schedule."""
 
@@ -57,30 +101,16 @@ class StageOptimizer:
         self._main = {}
         for p in self.params:
             self._main[p] = self._main_copy(p) if self.mixed else p
-        opt = recipe.training.optimizer
         main = [self._main[p] for p in self.params]
-        # No weight decay on 1-D tensors (norms), as Megatron: wd_mult 0 keeps it at
-        # zero while the scheduler sets the decay of the other group.
-        self.adamw = torch.optim.AdamW(
-            [{"params": [m for m in main if m.dim() > 1], "wd_mult": 1.0},
-             {"params": [m for m in main if m.dim() <= 1], "wd_mult": 0.0}],
-            lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2),
-            eps=opt.adam_eps)
+        self.adamw = adamw(recipe, [m for m in main if m.dim() > 1],
+                           [m for m in main if m.dim() <= 1])
         self.scheduler = lr_scheduler(self.adamw, recipe)
 
     @staticmethod
     def _main_copy(param: torch.nn.Parameter) -> torch.Tensor:
-        """fp32 copy of ``param`` laid out like it; its ``.grad`` is ``param.main_grad``,
-        into which a hook adds each backward's bf16 gradient (Megatron's DDP hook)."""
+        """fp32 copy of ``param`` laid out like it; its ``.grad`` is ``param.main_grad``."""
         main = torch.empty_like(param, dtype=torch.float32).copy_(param.detach())
-        param.main_grad = torch.zeros_like(main)
-        main.grad = param.main_grad
-
-        def accumulate(p: torch.Tensor) -> None:
-            p.main_grad.add_(p.grad)
-            p.grad = None
-
-        param.register_post_accumulate_grad_hook(accumulate)
+        main.grad = add_main_grad(param)
         return main
 
     def main_param(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -95,6 +125,15 @@ class StageOptimizer:
     @property
     def param_groups(self) -> list[dict]:
         return self.adamw.param_groups
+
+    def state_nbytes(self) -> int:
+        """Bytes of fp32 main parameters (in fp32 runs, the weights themselves) and
+        moments this rank holds."""
+        return state_nbytes(self.adamw)
+
+    def expected_state_nbytes(self) -> float:
+        """The formula: 12 bytes (fp32 main + two moments) per local parameter."""
+        return float(STATE_BYTES_PER_ELEMENT * sum(p.numel() for p in self.params))
 
     @property
     def lr(self) -> float:

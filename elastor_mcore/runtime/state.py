@@ -28,6 +28,7 @@ from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.run import DataConfig
 from elastor_mcore.data.source import fingerprint_change
 from elastor_mcore.parallel.shards import owning_parameter, sharded_tensors, view_like
+from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer
 from elastor_mcore.runtime.optimizer import StageOptimizer
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,15 @@ def ensure_optimizer_state(optimizer: StageOptimizer) -> None:
                     state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def state_shards(model: torch.nn.Module, optimizer: StageOptimizer) -> list[LocalShard]:
+def state_shards(model: torch.nn.Module,
+                 optimizer: StageOptimizer | DistributedOptimizer) -> list[LocalShard]:
     """Every tensor of this rank's training state, as views (no copies): the fp32
-    main weights and their moments."""
+    main weights and their moments; under ZeRO-1 only the boxes this rank owns."""
     ensure_optimizer_state(optimizer)
+    if isinstance(optimizer, DistributedOptimizer):
+        return [shard for main in optimizer.main_shards() for shard in (main, *(
+            LocalShard(f"optimizer.{name}.{main.key}", main.global_shape, main.global_offset,
+                       optimizer.state[main.data][name]) for name in ADAM_MOMENTS))]
     shards = []
     for st in sharded_tensors(model):
         shape, offset = tuple(st.global_shape), tuple(st.global_offset)

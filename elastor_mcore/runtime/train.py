@@ -3,7 +3,8 @@
 Reads top to bottom: build groups, build and initialise this rank's stage, plan the
 gradient reduction, then per step: 1F1B over the pipeline's micro-batches, reduce
 gradients across pipelines, clip by the global norm, AdamW (``runtime/optimizer.py``:
-fp32 main parameters, mcore's lr schedule).
+fp32 main parameters, mcore's lr schedule; with ``training.distributed_optimizer``,
+ZeRO-1 in ``runtime/distributed_optimizer.py`` reduces, clips and steps instead).
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import torch.distributed as dist
 from elastor_mcore import checkpoint
 from elastor_mcore.runtime.state import (
     check_lr_schedule, check_resumable, chunk_policy, data_fields, describe_load,
-    manifest_fields, restore_non_tensor_state, state_shards)
+    ensure_optimizer_state, manifest_fields, restore_non_tensor_state, state_shards)
 from elastor_mcore.config.run import DataConfig, RunSettings
 from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_sample_indices,
                                         tp_shared_micro_batches)
 from elastor_mcore.data.source import build_sample_source
-from elastor_mcore.runtime.grad_sync import GradientSynchronizer, grad_buffer
+from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer, ShardPlan
+from elastor_mcore.runtime.grad_sync import GradientSynchronizer
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.model import build_stage_model, initialize_weights
@@ -50,6 +52,16 @@ class StepMetrics:
     data_wait_s: float = 0.0           # time the step took to get its micro-batches
 
 
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """One rank's optimizer state (``--report-memory``)."""
+
+    rank: int
+    params: int              # parameters of its stage
+    state_bytes: int         # fp32 main parameters + moments, measured on the tensors
+    expected_bytes: float    # 12 B/param, divided by the replica count under ZeRO-1
+
+
 @dataclass
 class RunConfig:
     """One rank's run: the loaded recipe and layout, the run settings they came from,
@@ -63,6 +75,9 @@ class RunConfig:
     """Called on the reporting rank (the lowest active rank) after every step."""
     hooks: RankHooks = field(default_factory=RankHooks)
     """Per-rank callbacks on every active rank (heartbeats, failure injection)."""
+    on_memory: Callable[[list[OptimizerMemory]], None] | None = None
+    """With ``settings.report_memory``: called on the reporting rank before the first
+    step with every active rank's optimizer state."""
 
     @property
     def seed(self) -> int:
@@ -84,8 +99,9 @@ class StageRunner:
     recipe: Recipe
     groups: RankGroups
     model: torch.nn.Module
-    optimizer: StageOptimizer
-    grad_sync: GradientSynchronizer
+    optimizer: StageOptimizer | DistributedOptimizer
+    grad_sync: GradientSynchronizer | DistributedOptimizer
+    """Gradient reduction, norm and clipping: the optimizer itself under ZeRO-1."""
     comm: StageCommunicator
     device: torch.device
     mask: torch.Tensor = field(init=False)
@@ -134,9 +150,7 @@ class StageRunner:
         norm = self.grad_sync.global_norm(groups.active)
         clip = training.optimizer.clip_grad
         if clip > 0 and norm > clip:
-            scale = clip / (norm + 1e-6)
-            for p in self.model.parameters():
-                grad_buffer(p).mul_(scale)
+            self.grad_sync.scale_(clip / (norm + 1e-6))
         self.optimizer.step()
         reports_loss = groups.is_last_stage and groups.position.tp_rank == 0
         return (float(loss_sum) if reports_loss else 0.0), norm
@@ -149,17 +163,23 @@ def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache) ->
     collective over the world).
     """
     groups = build_groups(layout, cache)
-    model = optimizer = None
+    model = None
     device = device_for_rank()
     if groups is not None:
         pg_collection = install(groups)
         model = build_stage_model(recipe, groups, pg_collection)
         initialize_weights(model, recipe, seed)
         model.to(device)
-        optimizer = StageOptimizer(model, recipe)  # before grad_sync: main_grad buffers
-    grad_sync = GradientSynchronizer(layout, model, cache)
-    if groups is None:
-        return None
+    if recipe.training.distributed_optimizer:
+        plan = ShardPlan.build(layout, model, cache, chunk_policy(recipe))
+        if groups is None:
+            return None
+        optimizer = grad_sync = DistributedOptimizer(model, recipe, plan, cache)
+    else:
+        optimizer = StageOptimizer(model, recipe) if model is not None else None
+        grad_sync = GradientSynchronizer(layout, model, cache)  # after main_grad buffers
+        if groups is None:
+            return None
     model_cfg = recipe.model
     shape = (model_cfg.seq_length, recipe.training.micro_batch_size, model_cfg.hidden_size)
     dtype = next(model.parameters()).dtype
@@ -236,6 +256,18 @@ def open_sample_source(runner: StageRunner, cfg: RunConfig, start: int) -> Sampl
     return build_sample_source(cfg.settings.data, cfg.recipe, indices, cfg.seed)
 
 
+def optimizer_memory(runner: StageRunner) -> list[OptimizerMemory]:
+    """Every active rank's optimizer state (collective over the active ranks), its
+    moments allocated first so that they are measured."""
+    ensure_optimizer_state(runner.optimizer)
+    mine = OptimizerMemory(runner.groups.rank, sum(p.numel() for p in runner.model.parameters()),
+                           runner.optimizer.state_nbytes(),
+                           runner.optimizer.expected_state_nbytes())
+    gathered: list = [None] * dist.get_world_size(runner.groups.active)
+    dist.all_gather_object(gathered, mine, group=runner.groups.active)
+    return gathered
+
+
 def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     """Set up this rank for ``cfg.layout``, resume if asked, train until step
     ``cfg.settings.steps`` and save every ``cfg.settings.save_interval`` steps."""
@@ -246,6 +278,10 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     start = resume(runner, cfg.settings.load_dir, cfg.seed, cfg.settings.data,
                    cfg.settings.allow_data_change) if cfg.settings.load_dir else 0
     load_s = time.perf_counter() - load_start
+    if cfg.settings.report_memory:
+        memory = optimizer_memory(runner)
+        if cfg.on_memory and runner.groups.rank == min(cfg.layout.ranks):
+            cfg.on_memory(memory)
     if cfg.settings.save_dir and runner.groups.rank == min(cfg.layout.ranks):
         checkpoint.remove_stale(cfg.settings.save_dir)
     source = open_sample_source(runner, cfg, start)

@@ -88,6 +88,15 @@ class MetricsPrinter:
             self.file.close()
 
 
+def print_memory(reports) -> None:
+    """``--report-memory``: one line per rank, then the total."""
+    print("optimizer state (fp32 main params + Adam moments) per rank:", flush=True)
+    for m in reports:
+        print(f"  rank {m.rank:3d}  {m.params:12,d} params  {m.state_bytes:15,d} B  "
+              f"(expected {m.expected_bytes:15,.0f} B)", flush=True)
+    print(f"  total {sum(m.state_bytes for m in reports):,d} B", flush=True)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
@@ -101,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     printer = MetricsPrinter(settings.metrics_out) if dist.get_rank() == min(layout.ranks) \
         else None
     try:
-        train(RunConfig(recipe, layout, settings, on_step=printer,
+        train(RunConfig(recipe, layout, settings, on_step=printer, on_memory=print_memory,
                         hooks=rank_hooks.from_settings(settings, dist.get_rank())))
     finally:
         if printer:

@@ -56,7 +56,8 @@ def dump_shards(runner, path: Path) -> None:
                 for s in state_shards(runner.model, runner.optimizer)], path)
 
 
-def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root: Path) -> None:
+def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root: Path):
+    """Run one case; returns this rank's ``StageRunner`` (None on idle ranks)."""
     recipe_path = case.get("recipe", default_recipe)
     if recipe_path is None:
         raise SystemExit(f"case {case['name']} names no recipe and --recipe is not given")
@@ -67,7 +68,7 @@ def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root
     seed = recipe.training.seed
     runner = setup_stage(recipe, layout, seed, cache)
     if runner is None:
-        return
+        return None
     start = resume(runner, case["load"], seed) if "load" in case else 0
     if "verify" in case:
         dump_shards(runner, out / f"loaded.rank{dist.get_rank()}.pt")
@@ -84,6 +85,7 @@ def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root
                         state_shards(runner.model, runner.optimizer),
                         manifest_fields(recipe, layout, case["steps"], seed, runner.optimizer),
                         group=runner.groups.active, chunking=chunk_policy(recipe))
+    return runner
 
 
 def main() -> None:

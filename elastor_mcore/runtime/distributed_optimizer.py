@@ -1,0 +1,394 @@
+"""ZeRO-1 across heterogeneous replicas: each piece's optimizer state lives once.
+
+A piece is a cell of the common refinement of every rank's shards
+(``grad_sync.Refinement``); its *replica set* is the ranks holding it, which may span
+pipelines of different shapes (a TP4 rank and a TP2 rank hold the same quarter of a
+weight) and TP replicas (norms). The cells of one replica set form one flat buffer,
+in the order gradient reduction uses (``grad_sync``); the buffer is cut into one
+contiguous segment per holder, at row boundaries (dim 0) of its cells so that every
+owned part of a cell is a box of the global tensor: it is checkpointed as such, in
+global coordinates, and any layout, sharded or not, loads it. Cuts fall only on the
+checkpoint's inner-chunk boundaries (``chunk_rows``), so a sharded save writes the
+same chunks as an unsharded one; segments are as even as that allows (within one
+chunk of ``numel / holders`` per cut; norms and other small tensors may stay whole).
+
+Each step, per replica set in one global order (overlapping groups cannot deadlock):
+
+1. **Reduce-scatter** the gradients: one pipeline counts once (as in
+   ``GradientSynchronizer``: other TP replicas of the same pipeline add zeros), each
+   holder receives the sum over its segment. Sets inside one pipeline (TP replicas,
+   identical gradients) keep their own segment without communication. On NCCL the
+   buffer is padded to ``holders x longest segment`` for ``reduce_scatter_tensor``;
+   on gloo it is all-reduced whole and each holder keeps its segment, which sums in
+   the unsharded run's order (see ``DistributedOptimizer.reduce``).
+2. **Norm**: every element is owned by exactly one rank; float64 sums of the owned
+   gradients, all-reduced over the active ranks (the sum runs in another order than
+   the unsharded norm's, in float64).
+3. **AdamW** on the fp32 main parameters of the owned segment only, with their moments.
+4. **All-gather** the updated parameters, rounded to the model's dtype, into every
+   holder's weights (``all_gather_into_tensor``).
+
+Optimizer state per rank: 12 bytes (fp32 main parameter and two moments) per owned
+element, i.e. about 12 bytes per parameter divided by its replica count.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from elastor_mcore.checkpoint import ChunkPolicy, LocalShard
+from elastor_mcore.checkpoint.format import choose_entry
+from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.geometry import Box, Cell, boundaries
+from elastor_mcore.parallel.groups import GroupCache
+from elastor_mcore.runtime.grad_sync import Refinement, grad_buffer
+from elastor_mcore.runtime.optimizer import (
+    STATE_BYTES_PER_ELEMENT, add_main_grad, adamw, lr_scheduler, state_nbytes)
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Fragment:
+    """The rows ``[start, end)`` (dim 0) of a cell one holder owns, as a global box;
+    ``offset`` is where they begin in the replica set's flat buffer."""
+
+    cell: Cell
+    box: Box
+    offset: int
+
+
+@dataclass(frozen=True)
+class ShardBucket:
+    """The cells of one replica set and the cut of their flat buffer among holders."""
+
+    holders: tuple[int, ...]
+    cells: tuple[Cell, ...]
+    reduces: bool
+    """Held in several pipelines: gradients are summed across them."""
+    cuts: tuple[int, ...]
+    """Flat offsets: holder ``i`` owns ``[cuts[i], cuts[i + 1])``."""
+
+    @property
+    def numel(self) -> int:
+        return sum(c.box.numel for c in self.cells)
+
+    @property
+    def segment_numel(self) -> int:
+        """The longest segment: what each holder sends and receives, padded."""
+        return max(b - a for a, b in zip(self.cuts, self.cuts[1:]))
+
+    def segment(self, holder: int) -> tuple[int, int]:
+        i = self.holders.index(holder)
+        return self.cuts[i], self.cuts[i + 1]
+
+    def cell_offsets(self) -> list[int]:
+        return [0, *itertools.accumulate(c.box.numel for c in self.cells)]
+
+    def fragments(self, holder: int) -> list[Fragment]:
+        """The parts of cells ``holder`` owns, in buffer order."""
+        lo, hi = self.segment(holder)
+        out = []
+        for cell, start in zip(self.cells, self.cell_offsets()):
+            a, b = max(lo, start), min(hi, start + cell.box.numel)
+            if a >= b:
+                continue
+            row = row_numel(cell.box)
+            first, last = (a - start) // row, (b - start) // row
+            offset = (cell.box.offset[0] + first, *cell.box.offset[1:])
+            shape = (last - first, *cell.box.shape[1:])
+            out.append(Fragment(cell, Box(offset, shape), a))
+        return out
+
+
+def row_numel(box: Box) -> int:
+    """Elements of one dim-0 row of ``box``: the unit segments are cut in."""
+    if not box.shape:
+        raise ValueError("0-d tensors have no rows to shard; keep them out of "
+                         "sharded_state_dict or hold them on one rank")
+    return math.prod(box.shape[1:])
+
+
+def row_cuts(cells: Sequence[Cell], parts: int, align: Sequence[int]) -> tuple[int, ...]:
+    """Cut the flat buffer of ``cells`` into ``parts`` segments, each cut at the
+    boundary nearest ``k * numel / parts`` among the rows of cell ``i`` that are
+    multiples of ``align[i]`` (global row numbers) or its end."""
+    starts = [0, *itertools.accumulate(c.box.numel for c in cells)]
+    total = starts[-1]
+    cuts = [0]
+    for k in range(1, parts):
+        target = k * total // parts
+        i = next(i for i, (a, b) in enumerate(zip(starts, starts[1:])) if a <= target < b)
+        cell, row, unit = cells[i], row_numel(cells[i].box), align[i]
+        first, rows = cell.box.offset[0], cell.box.shape[0]
+        below = (first + (target - starts[i]) // row) // unit * unit - first
+        allowed = {min(max(below, 0), rows), min(below + unit, rows), rows}
+        nearest = min(allowed, key=lambda r: (abs(starts[i] + r * row - target), r))
+        cuts.append(max(starts[i] + nearest * row, cuts[-1]))
+    cuts.append(total)
+    return tuple(cuts)
+
+
+def shard_buckets(cells: Sequence[Cell], pipeline_of: dict[int, int],
+                  align: dict[str, int]) -> list[ShardBucket]:
+    """Every replica set's bucket, sorted by holders (the global issue order); cells
+    keep the refinement's order, as in the gradient reduction's buckets. ``align``:
+    per key, the rows segments may start at (multiples of it)."""
+    by_holders: dict[tuple[int, ...], list[Cell]] = {}
+    for cell in cells:
+        by_holders.setdefault(cell.holders, []).append(cell)
+    return [ShardBucket(holders, tuple(group), len({pipeline_of[h] for h in holders}) > 1,
+                        row_cuts(group, len(holders), [align[c.key] for c in group]))
+            for holders, group in sorted(by_holders.items())]
+
+
+def chunk_rows(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
+               policy: ChunkPolicy) -> dict[str, int]:
+    """Per key, the dim-0 length of the inner chunks an unsharded save of these shards
+    writes (``checkpoint.format.choose_entry``): segments cut only there, so a sharded
+    save keeps every inner chunk whole (the same chunks, files never straddling two
+    owners) at the price of balance within one chunk per cut."""
+    boxes: dict[str, list[Box]] = {}
+    for cell in cells:
+        boxes.setdefault(cell.key, []).append(cell.box)
+    return {key: choose_entry(shapes[key], "float32", boundaries(shapes[key], held),
+                              policy).chunks[0]
+            for key, held in boxes.items()}
+
+
+def planned_state_bytes(buckets: Sequence[ShardBucket], rank: int) -> tuple[int, float]:
+    """(bytes of ``rank``'s owned optimizer state, the formula's
+    ``12 * numel / holders`` summed over its pieces)."""
+    owned, formula = 0, 0.0
+    for bucket in buckets:
+        if rank in bucket.holders:
+            lo, hi = bucket.segment(rank)
+            owned += STATE_BYTES_PER_ELEMENT * (hi - lo)
+            formula += STATE_BYTES_PER_ELEMENT * bucket.numel / len(bucket.holders)
+    return owned, formula
+
+
+@dataclass
+class ShardPlan:
+    """The refinement and its buckets, with every multi-holder group created."""
+
+    refinement: Refinement
+    buckets: list[ShardBucket]
+
+    @classmethod
+    def build(cls, layout, model: torch.nn.Module | None, cache: GroupCache,
+              chunking: ChunkPolicy, world_group=None) -> "ShardPlan":
+        """Collective: every world rank calls it (idle ranks with ``model=None``);
+        ``chunking`` is the checkpoint's (``runtime.state.chunk_policy``)."""
+        refinement = Refinement.build(layout, model, world_group)
+        align = chunk_rows(refinement.cells, refinement.shapes, chunking)
+        buckets = shard_buckets(refinement.cells, refinement.pipeline_of, align)
+        for bucket in buckets:
+            if len(bucket.holders) > 1:
+                cache.get(bucket.holders)
+        return cls(refinement, buckets)
+
+
+@dataclass
+class _Owned:
+    """One bucket on one holder: its group, views and owned state."""
+
+    bucket: ShardBucket
+    group: dist.ProcessGroup | None
+    index: int
+    grads: list[torch.Tensor]        # this rank's gradient of each cell
+    contributes: bool                # this rank counts for its pipeline
+    weights: list[torch.Tensor]      # this rank's weights of each cell
+    fragments: list[Fragment]
+    mains: list[torch.Tensor]        # fp32 main parameter of each fragment
+    owned_grad: torch.Tensor         # the reduced gradient of the segment, padded
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.bucket.cuts[self.index], self.bucket.cuts[self.index + 1]
+
+
+class DistributedOptimizer:
+    """A rank's ZeRO-1 AdamW: its gradient reduction, norm and clipping too (it plays
+    ``GradientSynchronizer``'s part in the step), and the lr schedule."""
+
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, plan: ShardPlan,
+                 cache: GroupCache) -> None:
+        rank = dist.get_rank()
+        self.recipe, self.plan = recipe, plan
+        self.params = list(model.parameters())
+        self.mixed = recipe.training.params_dtype != "float32"
+        for p in self.params:
+            if self.mixed:
+                add_main_grad(p)
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._buckets: list[_Owned] = []
+        local = plan.refinement.local
+        pipeline_of = plan.refinement.pipeline_of
+        for bucket in plan.buckets:
+            if rank not in bucket.holders:
+                continue
+            pieces = [local[c.key] for c in bucket.cells]
+            first_in_pipeline = min(h for h in bucket.holders
+                                    if pipeline_of[h] == pipeline_of[rank])
+            fragments = bucket.fragments(rank)
+            mains = []
+            for frag in fragments:
+                piece = local[frag.cell.key]
+                weight = piece.view(piece.param.detach(), frag.box)
+                mains.append(torch.empty(weight.shape, dtype=torch.float32,
+                                         device=weight.device).copy_(weight))
+            group = cache.get(bucket.holders) if len(bucket.holders) > 1 else None
+            owned = _Owned(
+                bucket, group, bucket.holders.index(rank),
+                [p.view(grad_buffer(p.param), c.box) for p, c in zip(pieces, bucket.cells)],
+                rank == first_in_pipeline,
+                [p.view(p.param.data, c.box) for p, c in zip(pieces, bucket.cells)],
+                fragments, mains,
+                torch.zeros(bucket.segment_numel, dtype=torch.float32,
+                            device=self.params[0].device))
+            lo = owned.span[0]
+            for frag, main in zip(fragments, mains):
+                start = frag.offset - lo
+                main.grad = owned.owned_grad[start:start + main.numel()].view(main.shape)
+            self._buckets.append(owned)
+        mains = [(m, f) for b in self._buckets for m, f in zip(b.mains, b.fragments)]
+        shapes = plan.refinement.shapes
+        self.adamw = adamw(recipe, [m for m, f in mains if len(shapes[f.cell.key]) > 1],
+                           [m for m, f in mains if len(shapes[f.cell.key]) <= 1])
+        self.scheduler = lr_scheduler(self.adamw, recipe)
+        owned_bytes, formula = planned_state_bytes(plan.buckets, rank)
+        log.info("rank %d: ZeRO-1 over %d replica sets, optimizer state %d bytes "
+                 "(12 B/param / replicas: %.0f)", rank, len(self._buckets), owned_bytes,
+                 formula)
+
+    # The step, in the order ``StageRunner.train_step`` calls it.
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            if self.mixed:
+                p.main_grad.zero_()
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def reduce(self, native: bool | None = None) -> None:
+        """Reduce-scatter every replica set's gradients into the owned segments.
+
+        ``native`` (default: on every backend but gloo) runs ``reduce_scatter_tensor``
+        on the padded buffer; otherwise an all-reduce of the unpadded buffer, of
+        which each holder keeps its segment: gloo then sums every element in the
+        order the unsharded run's all-reduce does (its reduce-scatter of the padded
+        buffer does not, measured: 1-ulp differences with three pipelines), so
+        losses match the unsharded run bit for bit, for the price of an all-reduce's
+        traffic (CPU runs).
+        """
+        for b in self._buckets:
+            flat = torch.cat([g.reshape(-1) for g in b.grads])
+            lo, hi = b.span
+            if b.bucket.reduces:
+                if not b.contributes:
+                    flat.zero_()
+                if native if native is not None else dist.get_backend(b.group) != "gloo":
+                    dist.reduce_scatter_tensor(b.owned_grad, self._padded(b, flat),
+                                               group=b.group)
+                    continue
+                dist.all_reduce(flat, group=b.group)
+            b.owned_grad[:hi - lo].copy_(flat[lo:hi])
+
+    def owned_grads(self) -> list[torch.Tensor]:
+        """The reduced gradient of each owned segment (after ``reduce``)."""
+        return [b.owned_grad[:b.span[1] - b.span[0]] for b in self._buckets]
+
+    @staticmethod
+    def _padded(b: _Owned, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` laid out as ``holders x segment_numel``, each segment padded."""
+        bucket, size = b.bucket, b.bucket.segment_numel
+        if bucket.numel == size * len(bucket.holders):
+            return flat
+        padded = flat.new_zeros(size * len(bucket.holders))
+        for i, (a, e) in enumerate(zip(bucket.cuts, bucket.cuts[1:])):
+            padded[i * size:i * size + e - a].copy_(flat[a:e])
+        return padded
+
+    @torch.no_grad()
+    def global_norm(self, active_group) -> float:
+        """L2 norm of the full gradient: each element counted by its one owner."""
+        local = torch.zeros((), dtype=torch.float64)
+        for b in self._buckets:
+            lo, hi = b.span
+            local += b.owned_grad[:hi - lo].double().pow(2).sum()
+        dist.all_reduce(local, group=active_group)
+        return float(local.sqrt())
+
+    @torch.no_grad()
+    def scale_(self, factor: float) -> None:
+        for b in self._buckets:
+            b.owned_grad.mul_(factor)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the owned main parameters, all-gather them into the weights,
+        advance the schedule."""
+        self.adamw.step()
+        self.copy_main_to_model()
+        self.scheduler.step(increment=self.recipe.training.global_batch_size)
+
+    @torch.no_grad()
+    def copy_main_to_model(self) -> None:
+        """All-gather every replica set's main parameters, rounded to the weights'
+        dtype, into the weights (after a step or a load)."""
+        for b in self._buckets:
+            dtype = b.weights[0].dtype
+            size = b.bucket.segment_numel
+            mine = torch.zeros(size, dtype=dtype, device=b.owned_grad.device)
+            lo, hi = b.span
+            if b.mains:
+                mine[:hi - lo].copy_(torch.cat([m.reshape(-1) for m in b.mains]))
+            if b.group is None:
+                flat = mine
+            else:
+                gathered = mine.new_empty(size * len(b.bucket.holders))
+                dist.all_gather_into_tensor(gathered, mine, group=b.group)
+                flat = torch.cat([gathered[i * size:i * size + e - a]
+                                  for i, (a, e) in enumerate(zip(b.bucket.cuts,
+                                                                 b.bucket.cuts[1:]))])
+            for weight, start in zip(b.weights, b.bucket.cell_offsets()):
+                weight.copy_(flat[start:start + weight.numel()].view(weight.shape))
+
+    # What the checkpoint and the loop read.
+
+    def main_shards(self) -> list[LocalShard]:
+        """The owned fp32 main parameters as boxes of their global tensors; each
+        ``data`` is the tensor AdamW updates (its moments are ``state[data]``)."""
+        shapes = self.plan.refinement.shapes
+        return [LocalShard(f.cell.key, shapes[f.cell.key], f.box.offset, m)
+                for b in self._buckets for f, m in zip(b.fragments, b.mains)]
+
+    def state_nbytes(self) -> int:
+        """Bytes of fp32 main parameters and moments this rank holds."""
+        return state_nbytes(self.adamw)
+
+    def expected_state_nbytes(self) -> float:
+        """The formula: 12 bytes per parameter divided by its replica count."""
+        return planned_state_bytes(self.plan.buckets, dist.get_rank())[1]
+
+    @property
+    def state(self):
+        return self.adamw.state
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.adamw.param_groups
+
+    @property
+    def lr(self) -> float:
+        return self.adamw.param_groups[0]["lr"]
