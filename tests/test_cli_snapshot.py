@@ -19,8 +19,8 @@ import pytest
 from tests.conftest import REPO, TINY
 
 SNAPSHOTS = Path(__file__).parent / "cli_snapshots"
-COMMANDS = [(), ("train",), ("launch",), ("demo",), ("plan",), ("inspect",), ("convert",),
-            ("tokenizer",), ("tokenizer", "train")]
+COMMANDS = [(), ("train",), ("launch",), ("demo",), ("plan",), ("profile",), ("inspect",),
+            ("convert",), ("tokenizer",), ("tokenizer", "train")]
 HEAVY = ("torch", "megatron", "tensorstore", "numpy", "tokenizers")
 """Modules whose import costs the CLI seconds (or a large part of one)."""
 

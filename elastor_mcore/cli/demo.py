@@ -56,6 +56,10 @@ def register(subparsers) -> None:
         "save_interval": {"default": 5, "help": "save every K steps (default 5)"}})
     parser.add_argument("--hardware", default=str(REPO / "recipes" / "hardware" /
                                                   "cpu-slots.yaml"))
+    parser.add_argument("--no-profile", action="store_true",
+                        help="plan with --hardware as it is instead of measuring a profile "
+                             "for the recipe on this machine (once per --out, cached in "
+                             "--out/hardware-profile.yaml)")
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--kill", default="12:3", metavar="STEP:SLOT",
                         help="the slot killed and the step it dies at (default 12:3)")
@@ -129,15 +133,16 @@ def run_reference(settings: RunSettings, out: Path) -> float:
     return time.perf_counter() - start
 
 
-def layout_diagrams(config: SupervisorConfig, launches) -> list[str]:
+def layout_diagrams(config: SupervisorConfig, hardware, launches) -> list[str]:
     """``elastor plan``'s diagram of each launch's layout (the planner is deterministic,
-    so planning the launch's alive slots again gives its layout)."""
-    recipe, hardware = config.recipe, config.hardware
-    full = plan(recipe, hardware, config.slots)
+    so planning the launch's alive slots again with the supervisor's profile gives its
+    layout)."""
+    recipe, use_all = config.recipe, config.use_all_slots
+    full = plan(recipe, hardware, config.slots, use_all=use_all)
     tokens = recipe.training.global_batch_size * recipe.model.seq_length
     out = []
     for launch in launches:
-        chosen = plan(recipe, hardware, launch.alive)
+        chosen = plan(recipe, hardware, launch.alive, use_all=use_all)
         dead = [s for s in config.slots if s not in launch.alive]
         out.append(diagram(chosen, full.step_s, tokens,
                            f"{recipe.name} on {len(launch.alive)} alive slots (dead: "
@@ -158,7 +163,9 @@ def run(args: argparse.Namespace) -> int:
             slots=tuple(range(args.slots)), run_dir=out, failures=failures,
             max_restarts=len(failures),
             hang=HangPolicy(startup_timeout_s=args.startup_timeout,
-                            timeout_s=args.heartbeat_timeout), devices="cpu")
+                            timeout_s=args.heartbeat_timeout), devices="cpu",
+            hardware_path=Path(args.hardware), measure_profile=not args.no_profile,
+            use_all_slots=True)
     except (RecipeError, HardwareError, FailurePlanError, ValueError) as exc:
         print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 2
@@ -215,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
                f"Slots per launch: {layouts}; elastic run {elastic_s:.0f}s, reference "
                f"{took:.0f}s.")
     settings = {"recipe": args.recipe, "hardware": args.hardware,
+                "planner profile": f"{supervisor.profile_path} (every alive slot kept busy: "
+                                   f"the slots stand for GPUs)",
                 "slots": f"{args.slots} ({nodes} nodes x {hardware.gpus_per_node})",
                 "steps": args.steps, "saves": f"asynchronous, every {args.save_interval} steps",
                 "failures": ", ".join(f"{f.kind} of slot {f.slot} at step {f.step}"
@@ -226,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
                              f"data-parallel ranks, no failure)"}
     worst = write_report(out, "elastor demo: recovery on the survivors",
                          "elastor demo " + " ".join(sys.argv[2:]), settings, outcome.launches,
-                         reference, layout_diagrams(config, outcome.launches),
+                         reference, layout_diagrams(config, supervisor.hardware,
+                                                    outcome.launches),
                          hardware.gpus_per_node, summary)
     print_summary(outcome, PREFIX)
     for launch in outcome.launches:

@@ -37,6 +37,11 @@ def register(subparsers) -> None:
     parser.add_argument("--hardware", required=True,
                         help="hardware profile YAML for the planner, e.g. "
                              "recipes/hardware/cpu-slots.yaml")
+    parser.add_argument("--measure-profile", action="store_true",
+                        help="unless --hardware or DIR/hardware-profile.yaml was measured "
+                             "on this machine for the recipe (elastor profile), measure one "
+                             "first and cache it there; either measured profile replaces "
+                             "--hardware for planning")
     parser.add_argument("--slots", type=int, default=None, metavar="N",
                         help="slots 0..N-1 (node-major, the profile's gpus_per_node per "
                              "node; default: one node on CPU, every visible GPU on CUDA)")
@@ -87,7 +92,8 @@ def build_config(args: argparse.Namespace) -> SupervisorConfig:
         run_dir=Path(args.run_dir), failures=failures, max_restarts=args.max_restarts,
         hang=HangPolicy(startup_timeout_s=args.startup_timeout,
                         timeout_s=args.heartbeat_timeout),
-        devices=kind, probe_timeout_s=args.probe_timeout)
+        devices=kind, probe_timeout_s=args.probe_timeout, hardware_path=Path(args.hardware),
+        measure_profile=args.measure_profile)
 
 
 class StepPrinter:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from elastor_mcore.elastic.timeline import LaunchRecord, Recovery, recoveries, table
+from elastor_mcore.planner import measured_step_s
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def launch_step_s(launch: LaunchRecord) -> float | None:
+    """The launch's measured step time (``planner.measured_step_s`` of its steps)."""
+    return measured_step_s([m["time_s"] for m in read_metrics(Path(launch.dir) /
+                                                             "metrics.jsonl")])
 
 
 def step_losses(launches: Sequence[LaunchRecord], reference: dict[int, float]) -> list[StepLoss]:
@@ -109,12 +116,29 @@ def write_report(out: str | os.PathLike, title: str, command: str,
     for launch, diagram in zip(launches, diagrams):
         steps = [m["step"] for m in read_metrics(Path(launch.dir) / "metrics.jsonl")]
         ran = f"steps {steps[0]}-{steps[-1]}" if steps else "no step"
+        measured = launch_step_s(launch)
+        timing = (f"step time: **{measured:.3f} s measured** (median of its steps after "
+                  f"the first), **{launch.predicted_step_s:.3f} s predicted** by the "
+                  f"planner ({measured / launch.predicted_step_s - 1:+.0%})"
+                  if measured is not None else
+                  f"step time: {launch.predicted_step_s:.3f} s predicted, none measured")
         md += [f"### Launch {launch.index}: {len(launch.slots)} slots, {ran}, "
                f"{launch.outcome}", "",
                f"`{launch.describe}` on slots {launch.slots}; dead slots: "
                f"{', '.join(map(str, dead)) or 'none'}; planned in "
-               f"{launch.plan_s * 1e3:.0f} ms", "", "```", diagram, "```", ""]
+               f"{launch.plan_s * 1e3:.0f} ms", "", timing, "", "```", diagram, "```", ""]
         dead += [e["slot"] for e in launch.failures()]
+    md += ["## Predicted and measured step times", "",
+           "| launch | slots | layout | predicted | measured (median) | error |",
+           "|---|---|---|---|---|---|"]
+    for launch in launches:
+        measured = launch_step_s(launch)
+        cells = ((f"{measured:.3f} s", f"{measured / launch.predicted_step_s - 1:+.0%}")
+                 if measured is not None else ("-", "-"))
+        md.append(f"| {launch.index} | {len(launch.slots)} | `{launch.describe}` | "
+                  f"{launch.predicted_step_s:.3f} s | {cells[0]} | {cells[1]} |")
+    md += ["", "Measured on this machine while the run shared it; see "
+           "`tools/check_planner.py` for interleaved comparisons.", ""]
     md += ["## Recovery timeline", "",
            "Seconds per phase, from the failure to the first step on the new layout. "
            "detect: failure injected → supervisor notices; stop: kill the job; probe: find "

@@ -11,9 +11,16 @@ the layout, so the relaunched run continues the same loss curve.
 Run directory::
 
     checkpoints/            committed steps (step_<N>/, latest)
+    hardware-profile.yaml   the profile measured for this run (``elastic.profiling``),
+                            when the supervisor had to measure one
     launch<K>/              layout.yaml (torchrun ranks), plan.json (physical slots),
                             metrics.jsonl, torchrun.log, events.jsonl, heartbeat/
     timeline.json           launches and recoveries (``timeline``)
+
+The planner plans with a profile measured on this machine for the recipe when one
+exists (the cached one above, or ``hardware_path`` itself), measures one first when
+asked (``measure_profile``), and says which it used; each launch's end compares the
+planner's predicted step time with the measured median.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import psutil
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
-from elastor_mcore.elastic import probe
+from elastor_mcore.elastic import probe, profiling
+from elastor_mcore.elastic.report import launch_step_s
 from elastor_mcore.config.failure_plan import Failure, validate
 from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
 from elastor_mcore.runtime.rank_hooks import HEARTBEAT_DIR
@@ -72,6 +80,16 @@ class SupervisorConfig:
     devices: Literal["cpu", "cuda"] = "cpu"
     probe_timeout_s: float = 60.0
     poll_s: float = 0.2
+    hardware_path: Path | None = None
+    """The file ``hardware`` was read from. With it, a profile measured here for the
+    recipe replaces ``hardware`` (see the module docstring)."""
+    measure_profile: bool = False
+    """With ``hardware_path``: measure a profile (once per run directory) when none was
+    measured here for the recipe."""
+    use_all_slots: bool = False
+    """Keep every alive slot busy (``planner.plan(use_all=True)``): for CPU slots that
+    stand for GPUs, where the fastest layout on fewer cores than slots would leave
+    slots idle, and the failures meant for them with them."""
 
     def __post_init__(self) -> None:
         steps, save_interval = self.settings.steps, self.settings.save_interval
@@ -156,6 +174,9 @@ class Supervisor:
         self.on_step = on_step
         self.launches: list[LaunchRecord] = []
         self.dead: set[int] = set()
+        self.hardware = config.hardware
+        """The profile the planner uses (chosen at the start of ``run``)."""
+        self.profile_path: Path | None = config.hardware_path
 
     # ----- the loop ------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -165,7 +186,20 @@ class Supervisor:
         cfg = self.config
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         with CheckpointLease(cfg.checkpoint_dir, new_job_id()):
+            self._choose_profile()
             return self._run()
+
+    def _choose_profile(self) -> None:
+        cfg = self.config
+        if cfg.hardware_path is None:
+            self.on_message(f"planner profile: {cfg.hardware.name} (given)")
+            return
+        choice = profiling.choose_profile(
+            cfg.run_dir, cfg.settings.recipe, cfg.recipe, cfg.hardware_path, cfg.devices,
+            cfg.measure_profile, on_line=lambda line: self.on_message(line.strip()))
+        self.hardware = choice.hardware
+        self.profile_path = choice.path
+        self.on_message(f"planner profile: {choice.path} ({choice.why})")
 
     def _run(self) -> Outcome:
         cfg = self.config
@@ -205,7 +239,7 @@ class Supervisor:
         cfg = self.config
         start = time.perf_counter()
         try:
-            chosen = planner.plan(cfg.recipe, cfg.hardware, alive)
+            chosen = planner.plan(cfg.recipe, self.hardware, alive, use_all=cfg.use_all_slots)
         except planner.PlannerError as exc:
             which = "surviving slots" if self.launches else "slots"
             return f"gave up: the {len(alive)} {which} {alive} cannot hold the model: {exc}"
@@ -239,6 +273,11 @@ class Supervisor:
                 stop_job(proc, [b.pid for b in read_beats(self._heartbeats(record)).values()])
                 record.stop_s = time.perf_counter() - start
             record.ended_at = time.time()
+        measured = launch_step_s(record)
+        if measured is not None:
+            self.on_message(f"launch {index}: step time {measured:.3f}s measured (median), "
+                            f"{record.predicted_step_s:.3f}s predicted by the planner "
+                            f"({measured / record.predicted_step_s - 1:+.0%})")
         return record
 
     # ----- one launch ----------------------------------------------------------------

@@ -17,13 +17,15 @@ from typing import Any
 
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
 from elastor_mcore.planner.cost_model import GIB, CostModel, StepCost
+from elastor_mcore.planner.calibration import measured_step_s
 from elastor_mcore.planner.hardware import (HardwareError, HardwareProfile, hardware_from_dict,
                                             load_hardware, write_hardware)
 from elastor_mcore.planner.search import Candidate, search
 from elastor_mcore.config.recipe import Recipe
 
 __all__ = ["Plan", "PlannerError", "HardwareError", "HardwareProfile", "CostModel",
-           "plan", "load_hardware", "hardware_from_dict", "write_hardware", "layout_cost"]
+           "plan", "load_hardware", "hardware_from_dict", "write_hardware", "layout_cost",
+           "measured_step_s", "predicted_step_s"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,20 @@ def layout_cost(cost: CostModel, layout: Layout, gpus_per_node: int) -> StepCost
         intra_node=intra)
 
 
+def predicted_step_s(recipe: Recipe, hardware: HardwareProfile, layout: Layout,
+                     slots: Iterable[int] | None = None) -> float:
+    """The cost model's step time for ``layout``; ``slots`` maps its ranks to physical
+    GPU ids (default: the ranks are the ids), which decides whether it spans nodes."""
+    if slots is not None:
+        ids = tuple(slots)
+        data = layout.to_dict()
+        for pipe in data["pipelines"]:
+            for stage in pipe["stages"]:
+                stage["ranks"] = [ids[r] for r in stage["ranks"]]
+        layout = layout_from_dict(data)
+    return layout_cost(CostModel(recipe, hardware), layout, hardware.gpus_per_node).step_s
+
+
 def _place(candidate: Candidate, alive_by_node: dict[int, list[int]],
            gpus_per_node: int) -> Layout:
     """Give each stage a concrete group, keeping a pipeline's stages on one node when
@@ -108,11 +124,14 @@ def _place(candidate: Candidate, alive_by_node: dict[int, list[int]],
 
 def plan(recipe: Recipe, hardware: HardwareProfile, alive_gpus: Iterable[int],
          gpus_per_node: int | None = None, tp_sizes: Iterable[int] | None = None,
-         sequence_parallel: bool = True) -> Plan:
+         sequence_parallel: bool = True, use_all: bool = False) -> Plan:
     """Fastest layout of ``recipe`` on ``alive_gpus`` (physical ids) under the cost model.
 
     ``tp_sizes`` restricts the TP degrees tried (default: every degree the model allows
-    that fits in a node). Raises PlannerError when nothing fits.
+    that fits in a node; with a profile measured for the recipe, the degrees measured).
+    ``use_all`` keeps every alive GPU busy when some layout can (CPU slots that stand for
+    GPUs: on fewer cores than slots the fastest layout would leave slots idle). Raises
+    PlannerError when nothing fits.
     """
     gpn = gpus_per_node or hardware.gpus_per_node
     alive = tuple(sorted(set(alive_gpus)))
@@ -138,7 +157,10 @@ def plan(recipe: Recipe, hardware: HardwareProfile, alive_gpus: Iterable[int],
     by_node: dict[int, list[int]] = {}
     for g in alive:
         by_node.setdefault(g // gpn, []).append(g % gpn)
-    best = search(cost, {n: len(ids) for n, ids in by_node.items()}, sizes)
+    alive_by_node = {n: len(ids) for n, ids in by_node.items()}
+    best = search(cost, alive_by_node, sizes, min_gpus=len(alive)) if use_all else None
+    if best is None:
+        best = search(cost, alive_by_node, sizes)
     if best is None:
         raise PlannerError(_infeasible_message(cost, recipe, len(alive), sizes))
     layout = _place(best, by_node, gpn)

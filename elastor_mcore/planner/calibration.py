@@ -20,6 +20,7 @@ Pure arithmetic, so it can be checked by hand:
 
 from __future__ import annotations
 
+import statistics
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any
@@ -108,6 +109,13 @@ def recipe_measurements(raw: dict[str, Any], recipe: Recipe, slots: float,
     tables = {table: {tp: fit_stage_table(grouped[tp][table]) for tp in sorted(grouped)}
               for table in QUANTITIES}
     return RecipeMeasurements(shape=recipe_shape(recipe), measured_on=measured_on, **tables)
+
+
+def measured_step_s(times: list[float]) -> float | None:
+    """A run's measured step time: the median over its steps after the first (which
+    also pays for warming up), or over all of them if there is only one."""
+    kept = times[1:] or times
+    return statistics.median(kept) if kept else None
 
 
 def measured_profile(base: HardwareProfile, raw: dict[str, Any], recipe: Recipe,

@@ -313,12 +313,16 @@ def _sub_multisets(pool: dict[int, int], max_size: int) -> list[tuple[int, ...]]
 class PoolSearch:
     """Best packing of pipelines into one pool of TP groups."""
 
-    def __init__(self, cost: CostModel, book: ShapeBook) -> None:
+    def __init__(self, cost: CostModel, book: ShapeBook, min_gpus: int = 0) -> None:
         self.cost = cost
         self.book = book
+        self.min_gpus = min_gpus
+        """Packings on fewer GPUs are not candidates (``search``'s ``min_gpus``)."""
 
     def evaluate(self, shapes: list[tuple[PipelineShape, int]],
                  partitions: tuple[tuple[int, tuple[int, ...]], ...]) -> Candidate | None:
+        if sum(s.gpus * n for s, n in shapes) < self.min_gpus:
+            return None
         balanced = balance_micro_batches(shapes, self.cost.total_micro_batches)
         if balanced is None:
             return None
@@ -482,9 +486,10 @@ def _class_options(nodes: list[int], partitions: list[tuple[int, ...]], exact: b
     return [tuple(zip(nodes, combo)) for combo in combos]
 
 
-def search(cost: CostModel, alive_by_node: dict[int, int], tp_sizes: tuple[int, ...]
-           ) -> Candidate | None:
-    """Best candidate for ``alive_by_node`` (node -> alive GPU count) over ``tp_sizes``."""
+def search(cost: CostModel, alive_by_node: dict[int, int], tp_sizes: tuple[int, ...],
+           min_gpus: int = 0) -> Candidate | None:
+    """Best candidate for ``alive_by_node`` (node -> alive GPU count) over ``tp_sizes``,
+    among those that use at least ``min_gpus`` GPUs."""
     classes: dict[int, list[int]] = {}
     for node, alive in sorted(alive_by_node.items()):
         if alive > 0:
@@ -497,7 +502,7 @@ def search(cost: CostModel, alive_by_node: dict[int, int], tp_sizes: tuple[int, 
 
     # a single node: intra-node links
     book = ShapeBook(cost, intra_node=True)
-    pool_search = PoolSearch(cost, book)
+    pool_search = PoolSearch(cost, book, min_gpus)
     for alive, nodes in classes.items():
         for partition in parts[alive]:
             best = pool_search.search(Counter(partition), ((nodes[0], partition),),
@@ -505,7 +510,7 @@ def search(cost: CostModel, alive_by_node: dict[int, int], tp_sizes: tuple[int, 
     # the whole cluster: inter-node links
     if sum(len(nodes) for nodes in classes.values()) > 1:
         book = ShapeBook(cost, intra_node=False)
-        pool_search = PoolSearch(cost, book)
+        pool_search = PoolSearch(cost, book, min_gpus)
         options = [_class_options(nodes, parts[alive], exact) for alive, nodes in classes.items()]
         for choice in itertools.product(*options):
             partitions = tuple(sorted(p for cls in choice for p in cls))

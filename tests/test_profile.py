@@ -1,0 +1,169 @@
+"""``elastor profile`` and the measured cost model: a real measurement of the tiny
+recipe (TP 1 and 2, a 4-rank gloo world) writes a profile the planner reads; the
+prediction follows the tables as the formula says; the supervisor plans with a
+profile cached beside its run and says so. Behaviour only: how well predictions match
+measured step times is ``tools/check_planner.py``'s job (timings depend on the load)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from elastor_mcore.config.recipe import load_recipe
+from elastor_mcore.elastic.profiling import CACHED_NAME, choose_profile
+from elastor_mcore.parallel.layout import layout_from_dict
+from elastor_mcore.planner import CostModel, layout_cost, load_hardware, plan
+from elastor_mcore.planner.calibration import fit_stage_table
+from elastor_mcore.planner.hardware import RecipeMeasurements, StageTable, recipe_shape
+from tests.conftest import REPO, TINY
+
+RECIPE = load_recipe(TINY)
+CPU_SLOTS = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
+
+
+def elastor(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return subprocess.run([sys.executable, "-m", "elastor_mcore.cli", *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One real measurement, shared: (profile path, the command's stdout)."""
+    out = tmp_path_factory.mktemp("profile") / "measured.yaml"
+    result = elastor("profile", "--recipe", str(TINY), "--tp-sizes", "1,2", "--repeats", "3",
+                     "--out", str(out), "--devices", "cpu")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return out, result.stdout
+
+
+def test_profile_writes_tables_the_planner_reads(measured):
+    path, stdout = measured
+    for line in ("TP 1: 6 stages measured", "TP 2: 6 stages measured",
+                 "P2P and all-reduce measured", "parallelism:", f"wrote {path}"):
+        assert line in stdout, stdout
+    hardware = load_hardware(path)
+    tables = hardware.measurements_for(RECIPE)
+    assert tables is not None and tables.tp_sizes == (1, 2)
+    for tp in (1, 2):
+        assert tables.forward_backward_ms[tp].layer > 0
+        assert tables.state_mib[tp].layer > 0 and tables.activation_mib[tp].layer > 0
+    # TP 2 holds half of each layer's weights, gradients and Adam moments (norms aside)
+    assert tables.state_mib[2].layer == pytest.approx(tables.state_mib[1].layer / 2, rel=0.02)
+    on = tables.measured_on
+    assert on["host"] == socket.gethostname() and on["device"] == "cpu"
+    assert {"date", "torch", "megatron_core", "recipe", "load_average_1min"} <= set(on)
+    assert 1 <= hardware.concurrent_slots <= 4
+    assert hardware.p2p_latency_us > 0 and hardware.intra_node_bandwidth_gb_s > 0
+    # not measured: kept from the base profile
+    base = load_hardware(CPU_SLOTS)
+    assert hardware.memory_per_gpu_gib == base.memory_per_gpu_gib
+    assert hardware.inter_node_bandwidth_gb_s == base.inter_node_bandwidth_gb_s
+    result = plan(RECIPE, hardware, range(4))
+    assert {s.tp for _, _, s in result.layout.iter_stages()} <= {1, 2}  # measured degrees only
+    again = layout_cost(CostModel(RECIPE, hardware), result.layout, hardware.gpus_per_node)
+    assert result.step_s == again.step_s
+
+
+def table(layer: float, stage: float, embedding: float, output: float) -> StageTable:
+    return StageTable(layer=layer, stage=stage, embedding=embedding, output=output)
+
+
+def synthetic(fb: dict[int, StageTable], concurrent_slots: float | None = None):
+    """cpu-slots with hand-made tables: the cost model's arithmetic is checked exactly."""
+    zero = {tp: table(0.01, 0, 0, 0) for tp in fb}
+    measurements = RecipeMeasurements(shape=recipe_shape(RECIPE), forward_backward_ms=fb,
+                                      activation_mib=zero, state_mib=zero)
+    return replace(load_hardware(CPU_SLOTS), measured={RECIPE.name: measurements},
+                   p2p_latency_us=100.0, p2p_bandwidth_gb_s=1.0,
+                   concurrent_slots=concurrent_slots)
+
+
+HETERO = layout_from_dict({"pipelines": [
+    {"micro_batches": 10, "stages": [{"tp": 2, "layers": 5, "ranks": [0, 1]},
+                                     {"tp": 1, "layers": 3, "ranks": [2]}]},
+    {"micro_batches": 6, "stages": [{"tp": 1, "layers": 8, "ranks": [3]}]}]})
+
+
+def test_prediction_follows_the_tables():
+    fb = {1: table(2.0, 0.5, 1.0, 3.0), 2: table(1.5, 0.7, 1.2, 2.0)}
+    hardware = synthetic(fb)
+    cost = CostModel(RECIPE, hardware)
+    p2p = 100e-6 + 1 * 32 * 64 * 4 / 1e9    # latency + one fp32 micro-batch of hidden states
+    first = (0.7 + 5 * 1.5 + 1.2) / 1e3 + p2p
+    last = (0.5 + 3 * 2.0 + 3.0) / 1e3 + p2p
+    single = (0.5 + 8 * 2.0 + 1.0 + 3.0) / 1e3
+    grad = cost.grad_sync_s(2, 1, True)  # the smaller pipeline has 1 GPU
+    expected = max((10 + 1) * max(first, last), 6 * single) + grad
+    step = layout_cost(cost, HETERO, hardware.gpus_per_node)
+    assert step.step_s == pytest.approx(expected, rel=1e-12)
+    # one more millisecond per TP-1 layer: the slowest pipeline (P1, 8 layers) pays it 8 x 6
+    slower = synthetic({**fb, 1: replace(fb[1], layer=3.0)})
+    delta = layout_cost(CostModel(RECIPE, slower), HETERO, 4).step_s - step.step_s
+    assert delta == pytest.approx(6 * 8 * 1e-3, rel=1e-9)
+    # four busy slots sharing two cores run at half speed
+    shared = layout_cost(CostModel(RECIPE, synthetic(fb, concurrent_slots=2.0)), HETERO, 4)
+    assert shared.contention == 2.0 and shared.step_s == pytest.approx(2 * expected)
+
+
+def test_shared_cores_make_fewer_slots_faster_unless_all_are_kept_busy():
+    hardware = synthetic({1: table(2.0, 0.5, 1.0, 3.0)}, concurrent_slots=2.0)
+    best = plan(RECIPE, hardware, range(8))
+    assert best.layout.num_gpus == 2  # 8 slots on 2 cores are no faster, only more sync
+    busy = plan(RECIPE, hardware, range(8), use_all=True)
+    assert busy.layout.num_gpus == 8 and busy.step_s >= best.step_s
+
+
+def test_tables_of_another_shape_fall_back_to_the_analytic_model(caplog):
+    hardware = synthetic({1: table(2.0, 0.5, 1.0, 3.0)})
+    other = replace(RECIPE, model=replace(RECIPE.model, seq_length=64))
+    cost = CostModel(other, hardware)
+    assert cost.tables is None and "seq_length" in caplog.text
+    assert cost.layer_time_s(1) == CostModel(other, load_hardware(CPU_SLOTS)).layer_time_s(1)
+
+
+def test_fit_separates_layers_embedding_output_and_stage():
+    truth = table(layer=2.0, stage=0.5, embedding=1.0, output=3.0)
+    points = {role: [(n, truth.total(n, role in ("single", "first"), role in ("single", "last")))
+                     for n in (1, 3)] for role in ("single", "first", "last")}
+    fitted = fit_stage_table(points)
+    for name in ("layer", "stage", "embedding", "output"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name))
+
+
+def test_old_profiles_load_unchanged():
+    data = yaml.safe_load(CPU_SLOTS.read_text())
+    hardware = load_hardware(CPU_SLOTS)
+    assert hardware.measured == {} and hardware.concurrent_slots is None
+    assert {k: v for k, v in hardware.to_dict().items() if k in data} == data
+
+
+@pytest.mark.timeout(400)
+def test_supervisor_plans_with_the_cached_profile_and_says_so(measured, tmp_path):
+    path, _ = measured
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / CACHED_NAME).write_text(path.read_text())
+    lines = []
+    choice = choose_profile(run_dir, str(TINY), RECIPE, CPU_SLOTS, "cpu", False, lines.append)
+    assert choice.path == run_dir / CACHED_NAME and choice.why.startswith("cached: measured")
+    assert choice.hardware.measurements_for(RECIPE) is not None and not lines
+    result = elastor("launch", "--recipe", str(TINY), "--hardware", str(CPU_SLOTS),
+                     "--slots", "2", "--steps", "3", "--save-interval", "3", "--run-dir",
+                     str(run_dir), "--no-async-save", "--devices", "cpu", timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert f"planner profile: {run_dir / CACHED_NAME} (cached: measured for tiny-llama" \
+        in result.stdout
+    assert "measured (median)" in result.stdout and "predicted by the planner" in result.stdout
+    # a profile measured elsewhere is not used: the given one is, and that is said too
+    elsewhere = yaml.safe_load(path.read_text())
+    elsewhere["measured"]["tiny-llama"]["measured_on"]["host"] = "another-host"
+    (run_dir / CACHED_NAME).write_text(yaml.safe_dump(elsewhere))
+    choice = choose_profile(run_dir, str(TINY), RECIPE, CPU_SLOTS, "cpu", False, lines.append)
+    assert choice.path == CPU_SLOTS and "not measured" in choice.why
