@@ -6,6 +6,7 @@ measured step times is ``tools/check_planner.py``'s job (timings depend on the l
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -45,7 +46,7 @@ def measured(tmp_path_factory):
 
 def test_profile_writes_tables_the_planner_reads(measured):
     path, stdout = measured
-    for line in ("TP 1: 6 stages measured", "TP 2: 6 stages measured",
+    for line in ("12 stages built (TP [1, 2])", "stages measured (medians of 3)",
                  "P2P and all-reduce measured", "parallelism:", f"wrote {path}"):
         assert line in stdout, stdout
     hardware = load_hardware(path)
@@ -161,6 +162,14 @@ def test_supervisor_plans_with_the_cached_profile_and_says_so(measured, tmp_path
     assert f"planner profile: {run_dir / CACHED_NAME} (cached: measured for tiny-llama" \
         in result.stdout
     assert "measured (median)" in result.stdout and "predicted by the planner" in result.stdout
+    # every step record and the rank's end-of-run line carry the same prediction
+    launch = json.loads((run_dir / "timeline.json").read_text())["launches"][0]
+    records = [json.loads(line) for line in
+               (run_dir / "launch0" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["predicted_s"] for r in records] == [launch["predicted_step_s"]] * 3
+    log = (run_dir / "launch0" / "torchrun.log").read_text()
+    assert f"{launch['predicted_step_s']:.3f}s per step predicted for this layout" in log
+    assert "measured (median of the steps after the first)" in log
     # a profile measured elsewhere is not used: the given one is, and that is said too
     elsewhere = yaml.safe_load(path.read_text())
     elsewhere["measured"]["tiny-llama"]["measured_on"]["host"] = "another-host"

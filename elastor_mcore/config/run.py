@@ -105,7 +105,7 @@ class RunSettings:
         "--shuffle-data epochs", ("train", "launch", "worker")))
     metrics_out: str | None = field(default=None, metadata=setting(
         "write JSON lines {step, loss, grad_norm, lr, time_s, data_wait_s, save_block_s, "
-        "save_in_flight} "
+        "save_in_flight, predicted_s} "
         "here", ("train", "worker")))
     save_dir: str | None = field(default=None, metadata=setting(
         "checkpoint root: saves step_<N>/ every --save-interval steps and at the end",
@@ -144,6 +144,11 @@ class RunSettings:
     failure_plan: str | None = field(default=None, metadata=setting(
         "inject failures: a list of {step, slot, kind: kill|hang}", ("launch", "worker"),
         metavar="YAML"))
+    hardware: str | None = field(default=None, metadata=setting(
+        "hardware profile for the planner's predicted step time of the layout, printed "
+        "beside the measured median (default on CPU: recipes/hardware/cpu-slots-measured"
+        ".yaml)", ("train", "worker"), metavar="YAML"))
+    """Under the supervisor, the profile it plans with."""
     elastic_dir: str | None = field(default=None, metadata=setting(
         "set by elastor launch: heartbeats and events of this launch", ("worker",)))
     rank_slots: tuple[int, ...] | None = field(default=None, metadata=setting(

@@ -289,7 +289,8 @@ class Supervisor:
         resume = str(cfg.checkpoint_dir) if record.resumed_from is not None else None
         args = replace(cfg.settings, layout=str(out / "layout.yaml"),
                        metrics_out=str(out / "metrics.jsonl"), save_dir=str(cfg.checkpoint_dir),
-                       load_dir=resume, elastic_dir=str(out), rank_slots=slots).to_argv()
+                       load_dir=resume, elastic_dir=str(out), rank_slots=slots,
+                       hardware=str(self.profile_path) if self.profile_path else None).to_argv()
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if cfg.devices == "cuda" \
             else None
         with open(out / "torchrun.log", "w") as log_file:

@@ -11,10 +11,19 @@ Time, per micro-batch and stage (forward + backward, no activation recomputation
   parallelism, same volume), ring cost over intra-node links (TP never spans nodes).
 * P2P: one activation (forward) or gradient (backward) message per neighbour stage.
 
+Measured profiles (``elastor profile``; ``hardware.RecipeMeasurements``) replace the
+first two terms for a recipe of the measured shape: a stage of ``n`` layers at TP ``t``
+costs ``stage[t] + n x layer[t]`` plus ``embedding[t]`` first and ``output[t]`` last,
+as timed on the runtime's own stages in their TP groups (TP collectives included);
+only the measured TP degrees are planned with, and measured P2P latency and bandwidth
+replace the intra-node link for P2P.
+
 Per pipeline, 1F1B with its bubble: ``(micro_batches + stages - 1) x slowest stage``.
 Per step: slowest pipeline + the cross-pipeline gradient all-reduce (ring over the
 pipelines; each GPU's fp32 gradient shard approximated by its pipeline's average
-``parameters / GPUs``, so the term depends on the pipelines' sizes, not on the split).
+``parameters / GPUs``, so the term depends on the pipelines' sizes, not on the split),
+times the contention of CPU slots that share cores (``max(1, gpus /
+concurrent_slots)``, 1 on GPUs).
 
 P2P and gradient traffic use intra-node links when every used GPU sits on one node,
 inter-node links otherwise: the cost of a layout then depends only on each stage's TP
@@ -25,7 +34,9 @@ Memory per GPU: weights (params dtype), fp32 gradients, optimizer state (fp32 ma
 copy when params are bf16, two Adam moments), activations of the micro-batches 1F1B
 keeps in flight at the stage (``stages - position``; the planner keeps at least as many
 micro-batches as stages), embedding on the first stage, output layer and fp32 logits on
-the last, and the profile's reserved memory.
+the last, and the profile's reserved memory. With measured tables, the memory one more
+layer costs (which bounds a stage's layers) is the measured state plus the measured
+saved activations per in-flight micro-batch.
 """
 
 from __future__ import annotations

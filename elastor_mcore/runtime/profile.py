@@ -148,13 +148,13 @@ def slowest_median_ms(times: list[float], group) -> float:
 
 def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: GroupCache,
                    progress: Callable[[str], None]) -> list[dict]:
-    """One record per (TP, layout, stage): forward+backward ms, bytes. The stages of
-    one TP degree are timed round-robin, one repetition of each in turn, so that a
-    change in the machine's load shifts all of them alike."""
-    records = []
+    """One record per (TP, layout, stage): forward+backward ms, bytes. Every stage of
+    every TP degree is built first, then they are timed round-robin, one repetition of
+    each in turn, so that a change in the machine's load (other jobs) shifts all of
+    them alike."""
     micro = recipe.training.total_micro_batches
+    slots: list[tuple[int, str, int, StageBench | None]] = []
     for tp in tp_sizes:
-        slots: list[tuple[str, int, StageBench | None]] = []
         for kind, num_layers, stage_layers in stage_kinds():
             measured = replace(recipe, model=replace(recipe.model, num_layers=num_layers))
             runner = setup_stage(measured, measurement_layout(tp, stage_layers, micro), SEED,
@@ -162,30 +162,34 @@ def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: Gro
             for stage, layers in enumerate(stage_layers):
                 role = "single" if kind == "single" else "first" if stage == 0 else "last"
                 mine = runner is not None and runner.groups.position.stage == stage
-                slots.append((role, layers, StageBench(runner, measured) if mine else None))
-        times: list[list[float]] = [[] for _ in slots]
-        for repetition in range(WARMUP + repeats):
-            for i, (_, _, bench) in enumerate(slots):
-                dist.barrier()
-                if bench is not None:
-                    install(bench.runner.groups)  # mcore reads the TP view at call time
-                    elapsed = timed_once(bench.step, bench.runner.device)
-                    if repetition >= WARMUP:
-                        times[i].append(elapsed)
-        dist.barrier()
-        for i, (role, layers, bench) in enumerate(slots):
-            if bench is None:
-                continue
-            groups = bench.runner.groups
-            install(groups)
-            ms = slowest_median_ms(times[i], groups.tp)
-            saved, state = bench.saved_bytes(), bench.state_bytes()
-            if groups.rank == groups.tp_ranks[0]:
-                records.append({"tp": tp, "role": role, "layers": layers,
-                                "forward_backward_ms": ms, "activation_bytes": saved,
-                                "state_bytes": state})
-        dist.barrier()
-        progress(f"TP {tp}: {len(slots)} stages measured")
+                slots.append((tp, role, layers, StageBench(runner, measured) if mine else None))
+    progress(f"{len(slots)} stages built (TP {tp_sizes}); timing them round-robin ...")
+    times: list[list[float]] = [[] for _ in slots]
+    for repetition in range(WARMUP + repeats):
+        for i, (_, _, _, bench) in enumerate(slots):
+            dist.barrier()
+            if bench is not None:
+                install(bench.runner.groups)  # mcore reads the TP view at call time
+                elapsed = timed_once(bench.step, bench.runner.device)
+                if repetition >= WARMUP:
+                    times[i].append(elapsed)
+        if (repetition + 1) % 5 == 0:
+            progress(f"repetition {repetition + 1}/{WARMUP + repeats}")
+    dist.barrier()
+    records = []
+    for i, (tp, role, layers, bench) in enumerate(slots):
+        if bench is None:
+            continue
+        groups = bench.runner.groups
+        install(groups)
+        ms = slowest_median_ms(times[i], groups.tp)
+        saved, state = bench.saved_bytes(), bench.state_bytes()
+        if groups.rank == groups.tp_ranks[0]:
+            records.append({"tp": tp, "role": role, "layers": layers,
+                            "forward_backward_ms": ms, "activation_bytes": saved,
+                            "state_bytes": state})
+    dist.barrier()
+    progress(f"stages measured (medians of {repeats})")
     gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, records)
     return [r for part in gathered for r in part]

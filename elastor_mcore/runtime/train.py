@@ -13,12 +13,13 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from elastor_mcore import checkpoint
+from elastor_mcore import checkpoint, planner
 from elastor_mcore.runtime.state import (
     check_lr_schedule, check_resumable, chunk_policy, data_fields, describe_load,
     ensure_optimizer_state, manifest_fields, restore_non_tensor_state, state_shards)
@@ -38,6 +39,11 @@ from elastor_mcore.runtime.rank_hooks import RankHooks
 from elastor_mcore.runtime.schedule import run_1f1b
 
 log = logging.getLogger(__name__)
+
+CPU_PROFILE = Path(__file__).resolve().parents[2] / "recipes" / "hardware" / \
+    "cpu-slots-measured.yaml"
+"""The default profile of CPU runs' predicted step time (``elastor profile`` of the
+tiny recipe; other recipes get its links and core sharing with analytic layers)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,7 @@ class OptimizerMemory:
     params: int              # parameters of its stage
     state_bytes: int         # fp32 main parameters + moments, measured on the tensors
     expected_bytes: float    # 12 B/param, divided by the replica count under ZeRO-1
+    sharded: bool            # training.distributed_optimizer (ZeRO-1)
 
 
 @dataclass
@@ -82,6 +89,30 @@ class RunConfig:
     @property
     def seed(self) -> int:
         return self.settings.seed_for(self.recipe.training.seed)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The planner's step time for a run's layout, from one hardware profile."""
+
+    step_s: float
+    profile: str
+
+
+def predict_step(settings: RunSettings, recipe: Recipe, layout: Layout) -> Prediction | None:
+    """``settings.hardware`` (default on CPU: ``CPU_PROFILE``) applied to the layout, its
+    ranks mapped to their physical slots; None if there is no profile to use."""
+    path = settings.hardware or (str(CPU_PROFILE) if device_for_rank().type == "cpu"
+                                 and CPU_PROFILE.is_file() else None)
+    if path is None:
+        return None
+    try:
+        hardware = planner.load_hardware(path)
+    except planner.HardwareError as exc:
+        log.warning("no predicted step time: %s", exc)
+        return None
+    return Prediction(planner.predicted_step_s(recipe, hardware, layout, settings.rank_slots),
+                      path)
 
 
 def device_for_rank() -> torch.device:
@@ -262,7 +293,8 @@ def optimizer_memory(runner: StageRunner) -> list[OptimizerMemory]:
     ensure_optimizer_state(runner.optimizer)
     mine = OptimizerMemory(runner.groups.rank, sum(p.numel() for p in runner.model.parameters()),
                            runner.optimizer.state_nbytes(),
-                           runner.optimizer.expected_state_nbytes())
+                           runner.optimizer.expected_state_nbytes(),
+                           isinstance(runner.optimizer, DistributedOptimizer))
     gathered: list = [None] * dist.get_world_size(runner.groups.active)
     dist.all_gather_object(gathered, mine, group=runner.groups.active)
     return gathered

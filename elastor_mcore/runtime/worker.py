@@ -25,7 +25,9 @@ from elastor_mcore.runtime import rank_hooks
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.config.run import RunSettings
-from elastor_mcore.runtime.train import RunConfig, StepMetrics, device_for_rank, train
+from elastor_mcore.planner import measured_step_s
+from elastor_mcore.runtime.train import (Prediction, RunConfig, StepMetrics, device_for_rank,
+                                         predict_step, train)
 
 
 def parse_args(argv: list[str] | None = None) -> RunSettings:
@@ -56,15 +58,22 @@ class MetricsPrinter:
 
     QUIET_WINDOW = 5
 
-    def __init__(self, path: str | None) -> None:
+    def __init__(self, path: str | None, prediction: Prediction | None = None) -> None:
         self.file = open(path, "w") if path else None
         self.quiet: collections.deque[float] = collections.deque(maxlen=self.QUIET_WINDOW)
+        self.prediction = prediction
+        self.times: list[float] = []
+        if prediction:
+            print(f"planner: {prediction.step_s:.3f}s per step predicted for this layout "
+                  f"(profile {prediction.profile})", flush=True)
 
     def __call__(self, m: StepMetrics) -> None:
         record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
                   "time_s": m.time_s, "data_wait_s": m.data_wait_s,
                   "save_block_s": m.save_block_s,
-                  "save_in_flight": m.save_in_flight}
+                  "save_in_flight": m.save_in_flight,
+                  "predicted_s": self.prediction.step_s if self.prediction else None}
+        self.times.append(m.time_s)
         line = (f"step {m.step:5d}  loss {m.loss:.6f}  grad_norm {m.grad_norm:.4f}  "
                 f"time {m.time_s:.3f}s")
         if m.save_in_flight:
@@ -84,16 +93,26 @@ class MetricsPrinter:
             self.file.flush()
 
     def close(self) -> None:
+        """Close the metrics file; print the measured median beside the prediction."""
+        measured = measured_step_s(self.times)
+        if measured is not None:
+            line = f"step time: {measured:.3f}s measured (median of the steps after the first)"
+            if self.prediction:
+                line += (f", {self.prediction.step_s:.3f}s predicted by the planner "
+                         f"({measured / self.prediction.step_s - 1:+.0%})")
+            print(line, flush=True)
         if self.file:
             self.file.close()
 
 
 def print_memory(reports) -> None:
     """``--report-memory``: one line per rank, then the total."""
-    print("optimizer state (fp32 main params + Adam moments) per rank:", flush=True)
+    how = ("sharded (ZeRO-1), formula 12 B/param / replicas" if reports[0].sharded
+           else "unsharded, formula 12 B/param")
+    print(f"optimizer state (fp32 main params + Adam moments) per rank, {how}:", flush=True)
     for m in reports:
         print(f"  rank {m.rank:3d}  {m.params:12,d} params  {m.state_bytes:15,d} B  "
-              f"(expected {m.expected_bytes:15,.0f} B)", flush=True)
+              f"(formula {m.expected_bytes:15,.0f} B)", flush=True)
     print(f"  total {sum(m.state_bytes for m in reports):,d} B", flush=True)
 
 
@@ -107,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(settings.recipe)
     layout = load_layout(settings.layout, recipe)
     init_distributed()
-    printer = MetricsPrinter(settings.metrics_out) if dist.get_rank() == min(layout.ranks) \
-        else None
+    printer = MetricsPrinter(settings.metrics_out, predict_step(settings, recipe, layout)) \
+        if dist.get_rank() == min(layout.ranks) else None
     try:
         train(RunConfig(recipe, layout, settings, on_step=printer, on_memory=print_memory,
                         hooks=rank_hooks.from_settings(settings, dist.get_rank())))

@@ -1,0 +1,201 @@
+"""Check the planner's predictions against real training steps on this machine.
+
+    PYTHONPATH=. python tools/check_planner.py [--hardware recipes/hardware/cpu-slots-measured.yaml]
+                                               [--rounds 3] [--steps 5] [--out check_planner.json]
+
+Layouts of the tiny recipe, uniform and heterogeneous, on 1 to 4 slots of one node
+(``LAYOUTS``, plus the planner's own best layout for 4 slots), are each trained for
+``--steps`` steps per round in one 4-rank gloo world (each layout set up once with the
+runtime's ``setup_stage``; ranks it does not use wait), round-robin for ``--rounds``
+rounds, so that the machine's changing load (other jobs share it) falls on every
+layout alike. Per layout: the planner's predicted step time under ``--hardware``
+(``planner.predicted_step_s``) against the measured median of its steps (the first
+step of each round left out). Reported: each error, the median absolute error, the
+Spearman rank correlation between predicted and measured order, whether the fastest
+layout is the same, and the 1-minute load average before and after. The figures go
+to ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from elastor_mcore.config.recipe import load_recipe  # noqa: E402
+from elastor_mcore.parallel.layout import Layout, layout_from_dict, load_layout  # noqa: E402
+from elastor_mcore.planner import load_hardware, plan, predicted_step_s  # noqa: E402
+
+TINY = ROOT / "recipes" / "tiny-llama.yaml"
+WORLD = 4
+
+
+def stages(*specs: tuple[int, int, list[int]]) -> list[dict]:
+    return [{"tp": tp, "layers": layers, "ranks": ranks} for tp, layers, ranks in specs]
+
+
+LAYOUTS: dict[str, object] = {
+    "dp1-tp1-pp1": "dp1-tp1-pp1",
+    "dp2-tp1-pp1": "dp2-tp1-pp1",
+    "dp4-tp1-pp1": "dp4-tp1-pp1",
+    "dp1-tp2-pp1": "dp1-tp2-pp1",
+    "dp1-tp1-pp2": "dp1-tp1-pp2",
+    "dp2-tp2-pp1": "dp2-tp2-pp1",
+    "hetero tp2|tp1 + tp1": {"pipelines": [
+        {"micro_batches": 10, "stages": stages((2, 5, [0, 1]), (1, 3, [2]))},
+        {"micro_batches": 6, "stages": stages((1, 8, [3]))}]},
+    "hetero pp2 + pp1": {"pipelines": [
+        {"micro_batches": 9, "stages": stages((1, 4, [0]), (1, 4, [1]))},
+        {"micro_batches": 7, "stages": stages((1, 8, [2]))}]},
+}
+"""Name -> uniform shorthand or layout mapping (ranks 0..3 = slots of node 0)."""
+
+
+def build_layouts(recipe, hardware) -> dict[str, Layout]:
+    layouts = {name: (load_layout(spec, recipe) if isinstance(spec, str)
+                      else layout_from_dict(spec)) for name, spec in LAYOUTS.items()}
+    best = plan(recipe, hardware, range(WORLD)).layout
+    if all(best.to_dict() != l.to_dict() for l in layouts.values()):
+        layouts[f"planner's pick {best.describe()}"] = best
+    for layout in layouts.values():
+        layout.validate(recipe)
+    return layouts
+
+
+def run_ranks(args: argparse.Namespace) -> None:
+    """Inside the torchrun world: train every layout round-robin, write step times."""
+    import torch.distributed as dist
+
+    from elastor_mcore.compat import cpu
+    from elastor_mcore.data.samples import SyntheticTokens
+    from elastor_mcore.parallel.groups import GroupCache, install
+    from elastor_mcore.runtime.train import setup_stage, train_steps
+
+    cpu.apply()
+    dist.init_process_group("gloo")
+    recipe = load_recipe(TINY)
+    layouts = build_layouts(recipe, load_hardware(args.hardware))
+    cache = GroupCache()
+    runners = {name: setup_stage(recipe, layout, recipe.training.seed, cache)
+               for name, layout in layouts.items()}
+    source = SyntheticTokens(recipe.model.vocab_size, recipe.model.seq_length,
+                             recipe.training.seed)
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    for round_ in range(args.rounds):
+        for name, runner in runners.items():
+            dist.barrier()
+            if runner is None:
+                continue
+            install(runner.groups)  # mcore reads the TP view at call time
+            steps = range(round_ * args.steps, (round_ + 1) * args.steps)
+            metrics = train_steps(runner, source, steps)
+            times[name] += [m.time_s for m in metrics[1:]]
+        dist.barrier()
+        if dist.get_rank() == 0:
+            print(f"check_planner: round {round_ + 1}/{args.rounds} done", flush=True)
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, times)
+    if dist.get_rank() == 0:
+        merged = {name: max((g[name] for g in gathered), key=len) for name in layouts}
+        Path(args.times).write_text(json.dumps(merged))
+    dist.destroy_process_group()
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    num = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    den = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return num / den if den else 0.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hardware", default=str(ROOT / "recipes" / "hardware" /
+                                                  "cpu-slots-measured.yaml"))
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="steps per layout and round")
+    parser.add_argument("--out", default="check_planner.json")
+    parser.add_argument("--times", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.times:
+        run_ranks(args)
+        return 0
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (the first step of each round is left out)")
+    from elastor_mcore.elastic.torchrun import run_torchrun
+
+    recipe = load_recipe(TINY)
+    hardware = load_hardware(args.hardware)
+    layouts = build_layouts(recipe, hardware)
+    predicted = {name: predicted_step_s(recipe, hardware, layout)
+                 for name, layout in layouts.items()}
+    load_before = os.getloadavg()[0]
+    print(f"check_planner: {len(layouts)} layouts x {args.rounds} rounds x {args.steps} steps "
+          f"in a {WORLD}-rank world, profile {args.hardware}, load average "
+          f"{load_before:.1f} ...", flush=True)
+    times_path = Path(args.out).with_suffix(".times.json")
+    start = time.perf_counter()
+    result = run_torchrun(WORLD, "tools.check_planner",
+                          ["--hardware", args.hardware, "--rounds", str(args.rounds),
+                           "--steps", str(args.steps), "--times", str(times_path)],
+                          env={"PYTHONPATH": str(ROOT)})
+    if result.returncode:
+        return result.returncode
+    times = json.loads(times_path.read_text())
+    times_path.unlink()
+    load_after = os.getloadavg()[0]
+    measured = {name: statistics.median(times[name]) for name in layouts}
+    rows = []
+    for name, layout in layouts.items():
+        error = predicted[name] / measured[name] - 1
+        rows.append({"layout": name, "describe": layout.describe(), "slots": layout.num_gpus,
+                     "predicted_s": predicted[name], "measured_s": measured[name],
+                     "steps_timed": len(times[name]), "error": error})
+    names = list(layouts)
+    rho = spearman([predicted[n] for n in names], [measured[n] for n in names])
+    best_predicted = min(names, key=predicted.get)
+    best_measured = min(names, key=measured.get)
+    figures = {"profile": args.hardware, "rounds": args.rounds, "steps": args.steps,
+               "layouts": rows,
+               "median_abs_error": statistics.median(abs(r["error"]) for r in rows),
+               "spearman": rho, "best_predicted": best_predicted,
+               "best_measured": best_measured, "same_best": best_predicted == best_measured,
+               "load_average_1min": [load_before, load_after], "cpus": os.cpu_count(),
+               "seconds": time.perf_counter() - start}
+    Path(args.out).write_text(json.dumps(figures, indent=1))
+    print(f"\n| layout | slots | predicted | measured (median) | error |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['layout']} | {r['slots']} | {r['predicted_s']:.3f} s | "
+              f"{r['measured_s']:.3f} s | {r['error']:+.0%} |")
+    print(f"\nmedian |error| {figures['median_abs_error']:.0%}, Spearman {rho:.2f}, fastest "
+          f"predicted {best_predicted!r}, measured {best_measured!r} "
+          f"({'same' if figures['same_best'] else 'DIFFERENT'}); load average "
+          f"{load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} CPUs; "
+          f"figures in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
