@@ -21,7 +21,13 @@ setup(
         "matplotlib",  # elastor demo's loss.png
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "six"],  # six: megatron.training (Megatron-LM tests)
+        "test": [
+            "pytest", "pytest-timeout",
+            # Megatron-LM's training code (the real pretrain_gpt.py tests) imports six and
+            # triton, both of which come with CUDA torch but not with the CPU wheel.
+            "six", "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",
+            "moto[server]>=5",  # a real S3 server on 127.0.0.1 for the s3:// checkpoint tests
+        ],
         "te": ["transformer-engine[pytorch]"],
         "hf": ["transformers", "safetensors"],
         "plot": ["matplotlib"],
