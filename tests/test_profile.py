@@ -46,7 +46,7 @@ def measured(tmp_path_factory):
 
 def test_profile_writes_tables_the_planner_reads(measured):
     path, stdout = measured
-    for line in ("12 stages built (TP [1, 2])", "stages measured (medians of 3)",
+    for line in ("12 stages built (TP [1, 2])", "stages measured (fastest of 3 repetitions)",
                  "P2P and all-reduce measured", "parallelism:", f"wrote {path}"):
         assert line in stdout, stdout
     hardware = load_hardware(path)

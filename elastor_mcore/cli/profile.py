@@ -34,7 +34,7 @@ def register(subparsers) -> None:
                         help="comma-separated TP degrees to measure (default: all the model "
                              "allows within a node); the world is twice the largest")
     parser.add_argument("--repeats", type=int, default=10,
-                        help="timed repetitions per measurement, medians kept (default 10)")
+                        help="timed repetitions per measurement, the fastest kept (default 10)")
     parser.add_argument("--devices", choices=("auto", "cpu", "cuda"), default="auto",
                         help="measure CPU slots or CUDA devices (default: cuda if available)")
     parser.set_defaults(func=run)

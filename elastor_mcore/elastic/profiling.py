@@ -2,7 +2,7 @@
 first launch) and finding a cached one.
 
 The measurement runs in a torchrun world (``runtime.profile``: twice the largest TP
-degree measured, so that two-stage pipelines fit); its raw medians become a profile
+degree measured, so that two-stage pipelines fit); its raw figures become a profile
 through ``planner.calibration``. A profile counts as *measured for* a recipe on this
 machine when it holds tables of the recipe's shape taken on this host and device kind.
 """

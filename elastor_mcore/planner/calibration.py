@@ -1,4 +1,4 @@
-"""From ``elastor profile``'s raw medians (``runtime.profile``) to a hardware profile.
+"""From ``elastor profile``'s raw figures (``runtime.profile``) to a hardware profile.
 
 Pure arithmetic, so it can be checked by hand:
 

@@ -17,7 +17,8 @@ cores to itself):
 * how many slots compute at full speed at once: single-layer steps on one slot alone,
   then on every slot together.
 
-Rank 0 writes the raw medians as JSON (``--out``); ``planner.calibration`` turns them
+Each figure is the fastest of its repetitions (``undisturbed_ms``). Rank 0 writes them
+as JSON (``--out``); ``planner.calibration`` turns them
 into a hardware profile.
 """
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
 import sys
 import time
 import warnings
@@ -139,11 +139,14 @@ def timed_once(fn: Callable[[], None], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def slowest_median_ms(times: list[float], group) -> float:
-    """Median over repetitions of the slowest rank of ``group`` (None: the world)."""
+def undisturbed_ms(times: list[float], group) -> float:
+    """The fastest repetition of the slowest rank of ``group`` (None: the world): the
+    time of a repetition no other job of the machine slowed down. Other jobs only ever
+    add time, so the minimum is the reproducible figure (and the one a machine of
+    one's own gives); ``tools/check_planner.py`` shows both ends of the runs' spread."""
     tensor = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return float(tensor.median()) * 1e3
+    return float(tensor.min()) * 1e3
 
 
 def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: GroupCache,
@@ -182,14 +185,14 @@ def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: Gro
             continue
         groups = bench.runner.groups
         install(groups)
-        ms = slowest_median_ms(times[i], groups.tp)
+        ms = undisturbed_ms(times[i], groups.tp)
         saved, state = bench.saved_bytes(), bench.state_bytes()
         if groups.rank == groups.tp_ranks[0]:
             records.append({"tp": tp, "role": role, "layers": layers,
                             "forward_backward_ms": ms, "activation_bytes": saved,
                             "state_bytes": state})
     dist.barrier()
-    progress(f"stages measured (medians of {repeats})")
+    progress(f"stages measured (fastest of {repeats} repetitions)")
     gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, records)
     return [r for part in gathered for r in part]
@@ -219,10 +222,10 @@ def measure_p2p(sizes: list[int], repeats: int, device: torch.device) -> list[di
 
 
 def pair_time(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    """Median ms of ``fn`` on this rank (ranks 0 and 1 run it together)."""
+    """Fastest ms of ``fn`` on this rank (ranks 0 and 1 run it together)."""
     for _ in range(WARMUP):
         fn()
-    return statistics.median(timed_once(fn, device) for _ in range(repeats)) * 1e3
+    return min(timed_once(fn, device) for _ in range(repeats)) * 1e3
 
 
 def measure_allreduce(sizes: list[int], repeats: int, cache: GroupCache,
@@ -242,7 +245,7 @@ def measure_allreduce(sizes: list[int], repeats: int, cache: GroupCache,
 
                 for _ in range(WARMUP):
                     reduce()
-                ms = slowest_median_ms([timed_once(reduce, device) for _ in range(repeats)],
+                ms = undisturbed_ms([timed_once(reduce, device) for _ in range(repeats)],
                                        group)
                 if dist.get_rank() == 0:
                     out.append({"ranks": d, "bytes": buf.numel() * 4, "ms": ms})
@@ -274,9 +277,9 @@ def measure_parallelism(recipe: Recipe, repeats: int, cache: GroupCache) -> dict
         elapsed = timed_once(bench.step, runner.device)
         if repetition >= WARMUP:
             together.append(elapsed)
-    alone_ms = statistics.median(alone) * 1e3 if alone else 0.0
+    alone_ms = min(alone) * 1e3 if alone else 0.0
     return {"slots": world, "alone_ms": alone_ms,
-            "together_ms": slowest_median_ms(together, None)}
+            "together_ms": undisturbed_ms(together, None)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -284,7 +287,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--recipe", required=True)
     parser.add_argument("--tp-sizes", required=True, help="comma-separated TP degrees")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", required=True, help="JSON file for the raw medians")
+    parser.add_argument("--out", required=True, help="JSON file for the raw figures")
     return parser.parse_args(argv)
 
 
