@@ -232,8 +232,17 @@ def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
         dict_list_map_inplace, extract_matching_values, merge)
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    from megatron.core.dist_checkpointing.utils import (
+        extract_nonpersistent, extract_sharded_base)
+
     path = Path(checkpoint_dir)
     common = load_common_state_dict(path)
+    # As mcore's own load: plain values of the request come from common.pt (dropped
+    # here), LocalNonpersistentObjects keep the caller's values (unwrapped into it).
+    nonpersistent, sharded_state_dict = extract_nonpersistent(sharded_state_dict)
+    dict_list_map_inplace(lambda obj: obj.unwrap(), nonpersistent)
+    merge(common, nonpersistent)
+    sharded_state_dict, _ = extract_sharded_base(sharded_state_dict)
     objects, tensors = extract_matching_values(
         sharded_state_dict, lambda v: isinstance(v, ShardedObject))
 
