@@ -220,7 +220,8 @@ def test_optimizer_state_bytes_per_rank_fall_by_the_replica_count(world):
     for r, (p, z) in enumerate(zip(plain, zero)):
         print(f"{r:4d} {p['params']:7d} {p['state_bytes']:12d} {z['state_bytes']:9d} "
               f"{z['formula_bytes']:10.0f}  {z['state_bytes'] / z['formula_bytes']:.3f}")
-        assert p["state_bytes"] == 12 * p["params"]  # fp32 main + two moments, all local
+        assert not p["sharded"] and z["sharded"]
+        assert p["state_bytes"] == 12 * p["params"] == p["formula_bytes"]  # all local
         assert z["state_bytes"] == z["planned_bytes"]  # measured on the tensors = the plan
         assert z["state_bytes"] < p["state_bytes"]
     # Each element of the model's state is held once across the ranks: the formula's

@@ -48,15 +48,16 @@ from elastor_mcore.checkpoint.format import choose_entry
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.geometry import Box, Cell, boundaries
 from elastor_mcore.parallel.groups import GroupCache
-from elastor_mcore.runtime.grad_sync import Refinement, grad_buffer
+from elastor_mcore.runtime.grad_sync import GroupReduction, Refinement, grad_buffer
 from elastor_mcore.runtime.optimizer import (
     STATE_BYTES_PER_ELEMENT, add_main_grad, adamw, lr_scheduler, state_nbytes)
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Fragment:
-    """The rows ``[start, end)`` (dim 0) of a cell one holder owns, as a global box;
+    """The rows (dim 0) of a cell one holder owns, as a box of the global tensor;
     ``offset`` is where they begin in the replica set's flat buffer."""
 
     cell: Cell
@@ -303,6 +304,14 @@ class DistributedOptimizer:
                     continue
                 dist.all_reduce(flat, group=b.group)
             b.owned_grad[:hi - lo].copy_(flat[lo:hi])
+
+    def reductions(self) -> list[GroupReduction]:
+        """The gradient collectives of one step as ``GradientSynchronizer`` describes
+        its all-reduces (``runtime/traffic.py``): on gloo they are those all-reduces;
+        NCCL's reduce-scatter moves half their bytes, the weights' all-gather the rest."""
+        return [GroupReduction(b.bucket.holders, 4 * b.bucket.numel,
+                               4 * b.bucket.numel if b.contributes else 0)
+                for b in self._buckets if b.bucket.reduces]
 
     def owned_grads(self) -> list[torch.Tensor]:
         """The reduced gradient of each owned segment (after ``reduce``)."""

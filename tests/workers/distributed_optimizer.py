@@ -2,10 +2,11 @@
 
 Training cases are ``train_matrix``'s (``--case``, same syntax and outputs; the recipe
 of a case says whether it runs the distributed optimizer). With ``--memory NAME``,
-after case NAME trained, every rank writes ``<out>/<NAME>/memory.rank<r>.json``: the
-bytes of fp32 main parameters and moments its optimizer holds (measured on its
-tensors), its local parameter count, and under ZeRO-1 the plan's owned bytes and the
-formula's ``12 * numel / replicas``.
+after case NAME trained, every rank writes ``<out>/<NAME>/memory.rank<r>.json``: what
+``elastor train --report-memory`` prints for it (bytes of fp32 main parameters and
+moments its optimizer holds, measured on its tensors; its parameter count; the
+formula, ``12 * numel / replicas`` under ZeRO-1) and under ZeRO-1 the plan's owned
+bytes.
 
 With ``--native-check NAME``, after ZeRO-1 case NAME trained, every rank reduces the
 last step's gradients again both ways (``DistributedOptimizer.reduce``: gloo's
@@ -24,17 +25,20 @@ import torch.distributed as dist
 from elastor_mcore.compat import cpu
 from elastor_mcore.parallel.groups import GroupCache
 from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer, planned_state_bytes
+from elastor_mcore.runtime.train import optimizer_memory
 from tests.workers.train_matrix import parse_case, run_case
 
 
 def measure(runner, out: Path) -> None:
-    optimizer = runner.optimizer
-    report = {"state_bytes": optimizer.state_nbytes(),
-              "params": sum(p.numel() for p in runner.model.parameters())}
-    if isinstance(optimizer, DistributedOptimizer):
-        report["planned_bytes"], report["formula_bytes"] = planned_state_bytes(
-            optimizer.plan.buckets, dist.get_rank())
-    (out / f"memory.rank{dist.get_rank()}.json").write_text(json.dumps(report))
+    """What ``--report-memory`` reports (``train.optimizer_memory``, collective), and
+    under ZeRO-1 the plan's owned bytes."""
+    rank = dist.get_rank()
+    mine = next(m for m in optimizer_memory(runner) if m.rank == rank)
+    report = {"state_bytes": mine.state_bytes, "params": mine.params,
+              "formula_bytes": mine.expected_bytes, "sharded": mine.sharded}
+    if isinstance(runner.optimizer, DistributedOptimizer):
+        report["planned_bytes"] = planned_state_bytes(runner.optimizer.plan.buckets, rank)[0]
+    (out / f"memory.rank{rank}.json").write_text(json.dumps(report))
 
 
 def check_native(runner, out: Path) -> None:
