@@ -112,6 +112,7 @@ def rank_weights(world: Path, name: str) -> dict[str, list]:
     return shards
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_losses_and_weights_are_bit_identical_with_and_without_zero1(world, name):
@@ -132,6 +133,7 @@ def test_losses_and_weights_are_bit_identical_with_and_without_zero1(world, name
             assert torch.equal(a, b), f"{key} on {rank}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sharded_and_unsharded_checkpoints_hold_the_same_global_fp32_state(world):
     """The ZeRO-1 save wrote each global tensor whole (from owned boxes) and equal, bit
@@ -153,6 +155,7 @@ def test_sharded_and_unsharded_checkpoints_hold_the_same_global_fp32_state(world
         assert torch.equal(b, dumped[key]), key
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case, saved", [("zero-to-plain", "crossed-bf16-True"),
                                          ("plain-to-zero", "crossed-bf16-False")])
@@ -168,6 +171,7 @@ def test_resume_across_sharding_and_layouts_is_bit_exact(world, case, saved):
     assert [m["lr"] for m in resumed] == scheduled_lrs()[STEPS:RESUMED_STEPS]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_both_resumes_continue_the_same_run(world):
     """Both continue from the same (bit-identical) state, under other layouts and
@@ -179,6 +183,7 @@ def test_both_resumes_continue_the_same_run(world):
     assert diff <= BF16_TOLERANCE
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_native_reduce_scatter_matches_the_emulation_to_rounding(world):
     """The NCCL path (``reduce_scatter_tensor`` of the padded buffer), run on gloo:
@@ -209,6 +214,7 @@ def scheduled_lrs() -> list[float]:
     return lrs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_optimizer_state_bytes_per_rank_fall_by_the_replica_count(world):
     ranks = range(6)  # the crossed layout's ranks
