@@ -139,7 +139,7 @@ def _write(prepared: _Prepared, path: Path, settings: ZarrSaveSettings, group=No
     try:
         if comm.is_coordinator(group):
             _write_bytes(prepared.common, path / COMMON_FILE)
-        for key, data in prepared.objects.items():
+        for key, data in _written_here(prepared.objects, group).items():
             _write_bytes(data, _object_file(path, key))
     except OSError as exc:
         error = exc
@@ -155,6 +155,19 @@ def _write(prepared: _Prepared, path: Path, settings: ZarrSaveSettings, group=No
             error = exc
     comm.agree(error, f"committing {path}", group)
     log.info("saved Megatron-LM checkpoint %s in the elastor zarr format", path)
+
+
+def _written_here(objects: dict[str, bytes], group=None) -> dict[str, bytes]:
+    """The objects this rank writes: the lowest rank holding one as main replica.
+    Under a heterogeneous layout stages of different TP hold the same object (e.g. a
+    layer's ``_extra_state``) without being data-parallel replicas of each other, so
+    several ranks are its main replica; one write per file avoids racing renames."""
+    me = comm.global_rank()
+    writer: dict[str, int] = {}
+    for rank, keys in comm.all_gather((me, sorted(objects)), group):
+        for key in keys:
+            writer.setdefault(key, rank)
+    return {key: data for key, data in objects.items() if writer[key] == me}
 
 
 def save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
