@@ -64,7 +64,7 @@ def build_layouts(recipe, hardware) -> dict[str, Layout]:
     layouts = {name: (load_layout(spec, recipe) if isinstance(spec, str)
                       else layout_from_dict(spec)) for name, spec in LAYOUTS.items()}
     best = plan(recipe, hardware, range(WORLD)).layout
-    if all(best.to_dict() != l.to_dict() for l in layouts.values()):
+    if all(best.describe() != l.describe() for l in layouts.values()):
         layouts[f"planner's pick {best.describe()}"] = best
     for layout in layouts.values():
         layout.validate(recipe)

@@ -169,12 +169,10 @@ class HardwareProfile:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "name" or value is None or value == {} and f.name != "efficiency_by_tp":
-                continue
-            out[f.name] = value
-        out["measured"] = {name: asdict(m) for name, m in self.measured.items()}
-        if not out["measured"]:
-            del out["measured"]
+            if f.name != "name" and value is not None and value != {}:
+                out[f.name] = value
+        if self.measured:
+            out["measured"] = {name: asdict(m) for name, m in self.measured.items()}
         return out
 
     def efficiency(self, tp: int) -> float:

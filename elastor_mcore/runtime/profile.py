@@ -89,16 +89,21 @@ class StageBench:
         self.first, self.last = groups.is_first_stage, groups.is_last_stage
         self.tokens_per_batch = b * s
 
-    def step(self) -> None:
+    def forward(self) -> torch.Tensor:
         model, runner = self.runner.model, self.runner
         if not self.first:
             model.set_input_tensor(self.hidden.clone().requires_grad_(True))
-        out = model(self.tokens if self.first else None, runner.positions,
-                    attention_mask=runner.mask, labels=self.labels if self.last else None)
+        return model(self.tokens if self.first else None, runner.positions,
+                     attention_mask=runner.mask, labels=self.labels if self.last else None)
+
+    def backward(self, out: torch.Tensor) -> None:
         if self.last:
             (out.float().sum() / self.tokens_per_batch).backward()
         else:
             torch.autograd.backward(out, grad_tensors=self.grad)
+
+    def step(self) -> None:
+        self.backward(self.forward())
 
     def saved_bytes(self) -> int:
         """Bytes autograd keeps for backward during one forward (each storage once)."""
@@ -110,13 +115,8 @@ class StageBench:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model = self.runner.model
-            if not self.first:
-                model.set_input_tensor(self.hidden.clone().requires_grad_(True))
-            out = model(self.tokens if self.first else None, self.runner.positions,
-                        attention_mask=self.runner.mask,
-                        labels=self.labels if self.last else None)
-        (out.float().sum() if self.last else (out * self.grad).sum()).backward()
+            out = self.forward()
+        self.backward(out)
         return sum(seen.values())
 
     def state_bytes(self) -> int:
