@@ -2,7 +2,7 @@
 the physical limits of this machine.
 
     python tools/bench_checkpoint.py [--work DIR] [--out bench.json] [--scale medium]
-                                     [--phase all|save|matrix]
+                                     [--phase all|save|matrix] [--storage local|s3]
 
 The state is one Llama-shaped model (12 heads, 12 query groups: TP 1, 2, 3 and 4 all
 valid) with fp32 weights plus AdamW's two moments, filled with random values.
@@ -22,6 +22,14 @@ valid) with fp32 weights plus AdamW's two moments, filled with random values.
    ``read_bytes`` summed over ranks, and for elastor the bytes its readers took from
    the checkpoint files (``storage_bytes_read``; ``rchar`` would also count the
    replicas' bytes received over gloo's sockets). Figures are medians.
+
+``--storage s3`` measures object storage instead (``STORAGE_CASE``, a 4-rank world):
+the same save (synchronous, TP2 x PP2) and a resharded load (to TP1 x PP2), once to
+local disk and once to an ``s3://`` root, side by side, with the bytes each load took
+from storage (TensorStore's counters, summed over ranks) against the bytes it needed.
+The root is ``--s3-url`` with the endpoint and credentials of the AWS environment;
+without ``AWS_ENDPOINT_URL`` the tool starts the tests' local moto server
+(``tests/s3_server.py``; ``moto[server]`` must be installed) and uses a bucket there.
 
 It prints a table and writes every figure and the ratios to ``--out`` (JSON), with the
 1-minute load average at the end of the run. It is heavy (minutes, GBs of RAM and
@@ -65,6 +73,8 @@ MATRIX = {
     "R4_tp2_tp3": ("dp1-tp2-pp2", "dp1-tp3-pp2"),
 }
 MATRIX_RANKS = 8
+STORAGE_CASE = ("dp1-tp2-pp2", "dp2-tp1-pp2")
+"""``--storage s3``: saved under, loaded under (4 ranks)."""
 REPEATS = 3
 BLOCK = 16 << 20
 
@@ -421,6 +431,81 @@ def run_matrix(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def run_storage(args: argparse.Namespace) -> None:
+    """``--storage s3``: save and resharded load to local disk and to ``--s3-url``."""
+    import torch.distributed as dist
+
+    from elastor_mcore import checkpoint as ck
+    from elastor_mcore.compat import cpu
+    from elastor_mcore.parallel.groups import GroupCache
+    from elastor_mcore.runtime.state import chunk_policy, state_shards
+
+    cpu.apply_if_needed()
+    dist.init_process_group("gloo")
+    w = World()
+    recipe = bench_recipe(args.scale)
+    chunking = chunk_policy(recipe)
+    cache = GroupCache()
+    save_spec, load_spec = STORAGE_CASE
+    figures: dict[str, float] = {}
+    roots = {"local": str(Path(args.work) / "local"), "s3": args.s3_url.rstrip("/")}
+    if w.rank == 0:
+        shutil.rmtree(roots["local"], ignore_errors=True)
+    for storage, root in roots.items():
+        runner = build(recipe, make_layout(save_spec, recipe), cache)
+        shards = state_shards(runner.model, runner.optimizer) if runner else []
+        group = runner.groups.active if runner else None
+        w.say(f"{storage}: save under {save_spec} to {root} ...")
+        t, _ = w.timed(lambda: runner and ck.save(root, 1, shards, {"model": {}},
+                                                   group=group, keep=1, chunking=chunking))
+        figures[f"{storage}_save_s"] = t
+        figures["state_bytes_total"] = w.sum(state_bytes(shards))
+        del runner, shards
+        runner = build(recipe, make_layout(load_spec, recipe), cache)
+        targets = state_shards(runner.model, runner.optimizer) if runner else []
+        group = runner.groups.active if runner else None
+        w.say(f"{storage}: load under {load_spec} ...")
+        before = ck.storage_bytes_read()
+        t, _ = w.timed(lambda: runner and ck.load(root, targets, group=group))
+        figures[f"{storage}_load_s"] = t
+        figures[f"{storage}_load_bytes_read"] = w.sum(ck.storage_bytes_read() - before)
+        figures["load_bytes_needed"] = w.sum(state_bytes(targets))
+        del runner, targets
+        dist.barrier()
+    if w.rank == 0:
+        shutil.rmtree(roots["local"], ignore_errors=True)
+        Path(args.out).write_text(json.dumps(figures, indent=1, sort_keys=True))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def local_s3_server():
+    """The tests' moto server with a bucket, its AWS environment set in this process
+    (and so in the ranks it starts); None when ``AWS_ENDPOINT_URL`` names a server."""
+    if os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT_URL_S3"):
+        return None
+    from tests.s3_server import S3Server
+
+    server = S3Server.start("bench", ROOT)
+    os.environ.update(server.env)
+    print(f"started a local S3 server (moto) at {server.endpoint}", flush=True)
+    return server
+
+
+def print_storage_table(f: dict[str, float], out: str) -> None:
+    save, load = STORAGE_CASE
+    print(f"
+state: {f['state_bytes_total'] / 1e9:.3f} GB; save under {save}, load under "
+          f"{load}; load needs {f['load_bytes_needed'] / 1e9:.3f} GB")
+    print(f"  {'':8s} {'save s':>9s} {'load s':>9s} {'GB read':>9s} {'read/needed':>12s}")
+    for storage in ("local", "s3"):
+        read = f[f"{storage}_load_bytes_read"]
+        print(f"  {storage:8s} {f[f'{storage}_save_s']:9.3f} {f[f'{storage}_load_s']:9.3f} "
+              f"{read / 1e9:9.3f} {read / f['load_bytes_needed']:12.3f}")
+    print(f"
+figures written to {out}")
+
+
 def ratios(f: dict[str, float]) -> dict[str, float]:
     """The headline ratios (see docs/benchmarks.md for what each one means)."""
     out = {}
@@ -515,33 +600,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", choices=sorted(MODELS), default="default")
     parser.add_argument("--phase", choices=["all", "save", "matrix"], default="all",
                         help="saves (4 ranks), the load matrix (8 ranks), or both")
-    parser.add_argument("--ranks", choices=["save", "matrix"], help=argparse.SUPPRESS)
+    parser.add_argument("--storage", choices=["local", "s3"], default="local",
+                        help="local: the saves and the load matrix on --work; s3: save "
+                             "and resharded load on local disk and on --s3-url, side by "
+                             "side (--phase is ignored)")
+    parser.add_argument("--s3-url", default="s3://bench/ckpt",
+                        help="--storage s3: the checkpoint root (endpoint and credentials "
+                             "from the AWS environment; default: a local moto server)")
+    parser.add_argument("--ranks", choices=["save", "matrix", "storage"],
+                        help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ranks:
-        (run_ranks if args.ranks == "save" else run_matrix)(args)
+        {"save": run_ranks, "matrix": run_matrix, "storage": run_storage}[args.ranks](args)
         return 0
     from elastor_mcore.elastic.torchrun import run_torchrun
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     out = os.path.abspath(args.out)
     figures: dict[str, float] = {}
+    phases = [("storage", 4)] if args.storage == "s3" else \
+        [(p, n) for p, n in (("save", 4), ("matrix", MATRIX_RANKS)) if args.phase in ("all", p)]
+    server = local_s3_server() if args.storage == "s3" else None
     try:
-        for phase, nproc in (("save", 4), ("matrix", MATRIX_RANKS)):
-            if args.phase not in ("all", phase):
-                continue
+        for phase, nproc in phases:
             part = f"{out}.{phase}"
             result = run_torchrun(nproc, "tools.bench_checkpoint",
                                   ["--ranks", phase, "--work", str(work / phase),
-                                   "--out", part, "--scale", args.scale],
+                                   "--out", part, "--scale", args.scale,
+                                   "--s3-url", args.s3_url],
                                   env={"PYTHONPATH": str(ROOT)})
             if result.returncode:
                 return result.returncode
             figures.update(json.loads(Path(part).read_text()))
             os.unlink(part)
     finally:
+        if server is not None:
+            server.stop()
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     figures["load_average_1min"] = os.getloadavg()[0]
+    if args.storage == "s3":
+        Path(out).write_text(json.dumps(figures, indent=1, sort_keys=True))
+        print_storage_table(figures, out)
+        return 0
     figures.update(ratios(figures))
     Path(out).write_text(json.dumps(figures, indent=1, sort_keys=True))
     print_table(figures, out)
