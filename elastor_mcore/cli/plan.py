@@ -81,12 +81,16 @@ def diagram(result: Plan, full_step_s: float, tokens_per_step: int, title: str) 
                 f"{scost.memory.total / GIB:6.1f} GiB  GPUs {_ranges(stage.ranks)}")
         p = q + 1
     step = result.cost
+    parts = (f"slowest pipeline {max(pc.time_s for pc in step.pipelines):.3f} s + gradient "
+             f"sync {step.grad_sync_s:.3f} s")
+    if step.contention > 1:
+        parts = (f"({parts}) x {step.contention:.2f}: {result.layout.num_gpus} busy slots "
+                 f"share the cores")
     lines += [
         "",
         f"idle GPUs: {_ranges(result.idle_gpus) or 'none'}",
-        f"predicted step time: {step.step_s:.3f} s (slowest pipeline "
-        f"{max(pc.time_s for pc in step.pipelines):.3f} s + gradient sync "
-        f"{step.grad_sync_s:.3f} s), {tokens_per_step / step.step_s:,.0f} tokens/s",
+        f"predicted step time: {step.step_s:.3f} s ({parts}), "
+        f"{tokens_per_step / step.step_s:,.0f} tokens/s",
         f"throughput: {full_step_s / step.step_s:.1%} of all GPUs alive "
         f"({full_step_s:.3f} s/step)",
     ]
