@@ -108,7 +108,9 @@ class RunSettings:
         "save_in_flight, predicted_s} "
         "here", ("train", "worker")))
     save_dir: str | None = field(default=None, metadata=setting(
-        "checkpoint root: saves step_<N>/ every --save-interval steps and at the end",
+        "checkpoint root, a directory or s3://BUCKET/PREFIX (endpoint and credentials "
+        "from the AWS environment): saves step_<N>/ every --save-interval steps and at "
+        "the end",
         ("train", "worker"), flag="--save", metavar="DIR"))
     save_interval: int = field(default=0, metadata=setting(
         "with --save: also save every K steps (default 0: only at the end)", ALL,
@@ -127,7 +129,8 @@ class RunSettings:
         "continues; the previous checkpoint stays loadable either way (default: stop)",
         ("train", "launch", "worker")))
     load_dir: str | None = field(default=None, metadata=setting(
-        "resume from the latest committed step under DIR, under the current layout "
+        "resume from the latest committed step under DIR (or s3://BUCKET/PREFIX), under "
+        "the current layout "
         "(weights, optimizer, RNG, data position, step)", ("train", "worker"),
         flag="--load", metavar="DIR"))
     report_memory: bool = field(default=False, metadata=setting(
