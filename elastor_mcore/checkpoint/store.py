@@ -87,12 +87,6 @@ def storage_bytes_read() -> int:
                for driver in ("file", "s3", "gcs")) + fast_read.bytes_read()
 
 
-def storage_bytes_written() -> int:
-    """Bytes this process has written to checkpoint storage through TensorStore."""
-    return sum(_metric(f"/tensorstore/kvstore/{driver}/bytes_written")
-               for driver in ("file", "s3", "gcs"))
-
-
 def _metric(name: str) -> int:
     metrics = ts.experimental_collect_matching_metrics(name)
     return sum(int(v.get("value", 0)) for m in metrics if m["name"] == name
