@@ -29,6 +29,8 @@ TINY = REPO / "recipes" / "tiny-llama.yaml"
 _LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([-+0-9.eE]+) \|")
 _SKIPPED = re.compile(r"number of skipped iterations:\s+(\d+)")
 _patched: dict[Path, Path] = {}
+RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # Megatron's check for TP > 1 (pre-Blackwell)
 
 
 def tiny_model_args(recipe_path: Path = TINY) -> list[str]:
@@ -62,10 +64,10 @@ def tiny_model_args(recipe_path: Path = TINY) -> list[str]:
 
 def data_args(vocab_size: int) -> list[str]:
     """Deterministic data and a tokenizer without files: Megatron's mock GPT dataset
-    and ``NullTokenizer``; no evaluation."""
+    and ``NullTokenizer``; no evaluation, no data-loader worker processes."""
     return ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
             str(vocab_size), "--eval-iters", "0", "--eval-interval", "1000000",
-            "--log-interval", "1", "--distributed-backend", "gloo"]
+            "--log-interval", "1", "--distributed-backend", "gloo", "--num-workers", "0"]
 
 
 def default_args() -> list[str]:
@@ -134,8 +136,7 @@ def run_pretrain_gpt(megatron_lm_dir: Path, nproc: int, args: list[str], workdir
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(script), *default_args(), *args]
     path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
-    run_env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1",
-                   CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore")
+    run_env = dict(os.environ, PYTHONPATH=path, **RUN_ENV)
     run_env.update(env or {})
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(command, cwd=workdir, env=run_env, stdout=subprocess.PIPE,

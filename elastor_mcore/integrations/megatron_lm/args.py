@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Callable
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
 
 from elastor_mcore.integrations.megatron_lm import hooks
 from elastor_mcore.checkpoint import ChunkPolicy
 from elastor_mcore.parallel.groups import RankGroups
-from elastor_mcore.parallel.layout import load_layout, mcore_pipeline_layout
+from elastor_mcore.parallel.layout import Layout, LayoutError, layout_from_dict, load_layout, mcore_pipeline_layout
+from elastor_mcore.config.yaml_file import read_yaml_file
 from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
 from elastor_mcore.integrations.megatron_lm.hooks import CKPT_FORMATS, ElastorOptions
 from elastor_mcore.config.recipe import ModelConfig, Recipe, TrainingConfig
@@ -46,7 +50,109 @@ def add_elastor_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="TP degrees that later layouts may load the checkpoint with; "
                             "inner chunks are cut so each one reads whole chunks "
                             "(default: every TP degree the model allows)")
+    _derive_from_layout_on_parse(parser)
     return parser
+
+
+LAYOUT_FLAGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
+                "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+                "global_batch_size": "--global-batch-size"}
+"""Megatron-LM's flags an ``--elastor-layout`` determines (destination -> flag)."""
+
+
+def _derive_from_layout_on_parse(parser: argparse.ArgumentParser) -> None:
+    """Make ``parser`` fill the layout's flags in as soon as it has parsed, i.e. before
+    Megatron-LM validates them; a bad layout is a parser error on every rank, before
+    torch.distributed starts."""
+    original = parser.parse_known_args
+
+    def parse_known_args(args: Sequence[str] | None = None, namespace=None):
+        parsed, extras = original(args, namespace)
+        if getattr(parsed, "elastor_layout", None):
+            argv = list(sys.argv[1:] if args is None else args)
+            try:
+                apply_layout_args(parsed, explicit_flags(argv),
+                                  int(os.environ.get("WORLD_SIZE", "1")))
+            except (ValueError, LayoutError) as exc:
+                parser.error(str(exc))
+        return parsed, extras
+
+    parser.parse_known_args = parse_known_args
+
+
+def explicit_flags(argv: Sequence[str]) -> dict[str, str]:
+    """Destinations of ``LAYOUT_FLAGS`` given on the command line -> the value given
+    (Megatron-LM's parser takes no abbreviations)."""
+    given = {}
+    for i, token in enumerate(argv):
+        for dest, flag in LAYOUT_FLAGS.items():
+            if token == flag and i + 1 < len(argv):
+                given[dest] = argv[i + 1]
+            elif token.startswith(flag + "="):
+                given[dest] = token.split("=", 1)[1]
+    return given
+
+
+def _provisional_global_batch(args: argparse.Namespace, world_size: int) -> int:
+    """The global batch the layout implies: a YAML layout's micro-batch counts, or for a
+    shorthand (which has none) Megatron's default, one micro-batch per pipeline."""
+    spec = args.elastor_layout
+    if Path(spec).is_file():
+        layout = layout_from_dict(read_yaml_file(spec, "layout file", LayoutError))
+        return sum(p.micro_batches for p in layout.pipelines) * args.micro_batch_size
+    args.global_batch_size = args.micro_batch_size * world_size  # any multiple of dp
+    pipelines = len(load_layout(spec, recipe_from_args(args, 1)).pipelines)
+    return args.micro_batch_size * pipelines
+
+
+def apply_layout_args(args: argparse.Namespace, explicit: dict[str, str],
+                      world_size: int) -> Layout:
+    """Set TP, PP and the global batch of ``args`` from ``--elastor-layout`` (before
+    Megatron-LM validates them); an explicit flag that disagrees, or a layout
+    Megatron-LM's loop cannot train, is a ValueError naming both."""
+    spec = args.elastor_layout
+    if "global_batch_size" not in explicit:
+        args.global_batch_size = _provisional_global_batch(args, world_size)
+    layout = load_layout(spec, recipe_from_args(args, 1))
+    if layout.is_uniform:
+        stages = layout.pipelines[0].stages
+        derived = {"tensor_model_parallel_size": stages[0].tp,
+                   "pipeline_model_parallel_size": len(stages)}
+    else:  # per-rank values come later (adapt_args); these only pass Megatron's checks
+        derived = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+    for dest, value in derived.items():
+        if dest in explicit and layout.is_uniform and int(explicit[dest]) != value:
+            raise ValueError(
+                f"{LAYOUT_FLAGS[dest]} {explicit[dest]} conflicts with --elastor-layout "
+                f"{spec} ({layout.describe()} has {value}); drop {LAYOUT_FLAGS[dest]}: "
+                f"the layout sets it")
+        if dest not in explicit:
+            setattr(args, dest, value)
+    reason = unsupported_layout_reason(layout, args, world_size)
+    if reason:
+        raise ValueError(f"--elastor-layout {spec}: {reason}")
+    return layout
+
+
+def unsupported_layout_reason(layout: Layout, args: argparse.Namespace,
+                              world_size: int) -> str | None:
+    """Why Megatron-LM's loop cannot train ``layout`` with ``args`` on ``world_size``
+    ranks (None: it can); checked when the arguments are parsed, before any rank
+    trains."""
+    if layout.num_gpus != world_size:
+        return (f"the layout uses {layout.num_gpus} ranks but {world_size} were started; "
+                f"Megatron-LM needs work on every rank: start exactly {layout.num_gpus} "
+                f"(torchrun --nproc-per-node ...)")
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) or getattr(
+            args, "num_layers_per_virtual_pipeline_stage", None):
+        return ("virtual pipeline stages are not supported; drop "
+                "--num-layers-per-virtual-pipeline-stage / "
+                "--virtual-pipeline-model-parallel-size")
+    if layout.is_uniform:
+        return None
+    from elastor_mcore.integrations.megatron_lm import training
+
+    return training.unsupported_reason(layout, args)
 
 
 def extra_args_provider(base: Callable | None = None) -> Callable:
@@ -150,14 +256,6 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None) -> None:
             f"every rank; start exactly the ranks the layout uses "
             f"({hooks.options().layout.num_gpus})")
     layout = groups.layout
-    if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        raise ValueError("--elastor-layout does not support virtual pipeline stages; drop "
-                         "--num-layers-per-virtual-pipeline-stage / "
-                         "--virtual-pipeline-model-parallel-size")
-    if not layout.is_uniform:
-        log.warning("layout %s varies TP or pipelines: Megatron-LM's own schedule and "
-                    "gradient reduction cannot train it (models build and checkpoints "
-                    "save/load); train it with `elastor train`", layout.describe())
     pipeline = layout.pipelines[groups.position.pipeline]
     stage_layers = [s.layers for s in pipeline.stages]
     args.tensor_model_parallel_size = pipeline.stages[groups.position.stage].tp

@@ -1,0 +1,161 @@
+"""Megatron-LM's real ``pretrain_gpt.py`` (patched copy of $MEGATRON_LM_DIR) with Elastor's
+flags, on CPU/gloo under torchrun: uniform layouts, bf16, distributed and plain
+optimizer, async zarr saves resumed under another layout; and Elastor's flags through
+Megatron-LM's own argument parser and validation.
+
+Noise floor: the same 8 iterations (same weights by ``--use-cpu-initialization``,
+same mock data) trained as TP2 x DP2 with the distributed optimizer and as TP1 x DP4
+with the plain one differ only by bf16 rounding and reduction order; that measured
+difference bounds what a resume under another layout may differ by (``FLOOR_FACTOR``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, max_relative_difference
+from tests.pretrain_gpt_run import CPU_SHIMS, RUN_ENV, default_args, run_pretrain_gpt
+
+ITERS, SAVE_AT = 8, 4
+COMMON = ["--global-batch-size", "16", "--train-iters", str(ITERS), "--bf16",
+          "--use-cpu-initialization"]
+DISTOPT = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
+FLOOR_FACTOR = 3.0
+"""A resumed run may differ from the uninterrupted one by 3x the measured floor."""
+FLOOR_MIN = 1e-4
+"""...or by 1e-4 relative when the floor happens to measure smaller (bf16 has 8 bits)."""
+FLOOR_MAX = 5e-3
+"""The floor itself: two uniform layouts of one bf16 run agree to 0.5% per step."""
+
+
+def _run(megatron_lm, nproc, args, workdir):
+    run = run_pretrain_gpt(megatron_lm, nproc, COMMON + args, workdir, timeout=420)
+    if run.returncode:
+        pytest.fail(f"pretrain_gpt.py failed\n{run.tail()}")
+    return run
+
+
+def _resume_dir(save: Path, iteration: int, into: Path) -> Path:
+    """A --load directory whose tracker names ``iteration`` (Megatron-LM loads the
+    newest checkpoint; this run saved a later one too)."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(save / name, into / name)
+    (into / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return into
+
+
+@pytest.fixture(scope="module")
+def uniform_runs(patched_megatron_lm, tmp_path_factory):
+    """Three 4-rank runs: TP2 x DP2 from --elastor-layout with the distributed
+    optimizer and async zarr saves; TP1 x DP4 from Megatron's own flags with the plain
+    optimizer and no Elastor flag (the floor); the first one's iteration-4 checkpoint
+    resumed as TP1 x PP2 x DP2."""
+    root = tmp_path_factory.mktemp("pretrain_gpt")
+    layout_run = _run(patched_megatron_lm, 4, [
+        "--elastor-layout", "dp2-tp2-pp1", *DISTOPT, "--async-save",
+        "--elastor-ckpt-format", "zarr", "--save", str(root / "save"),
+        "--save-interval", str(SAVE_AT)], root / "a")
+    plain_run = _run(patched_megatron_lm, 4, [], root / "c")
+    load = _resume_dir(root / "save", SAVE_AT, root / "load")
+    resumed = _run(patched_megatron_lm, 4, [
+        "--elastor-layout", "dp2-tp1-pp2", *DISTOPT, "--elastor-ckpt-format", "zarr",
+        "--load", str(load)], root / "b")
+    return root, layout_run, plain_run, resumed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_layout_derives_megatron_parallel_sizes(uniform_runs):
+    _, layout_run, plain_run, _ = uniform_runs
+    for run, tp, dp in ((layout_run, 2, 2), (plain_run, 1, 4)):
+        assert f"tensor_model_parallel_size ...................... {tp}" in run.stdout
+        assert f"data_parallel_size .............................. {dp}" in run.stdout
+    assert sorted(layout_run.losses) == sorted(plain_run.losses) == list(range(1, ITERS + 1))
+    assert set(layout_run.skipped) == {0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_zarr_saved_async_and_resumed_under_another_layout_continues_the_loss(uniform_runs):
+    root, layout_run, plain_run, resumed = uniform_runs
+    from elastor_mcore.checkpoint import megatron_dir
+
+    for it in (SAVE_AT, ITERS):
+        assert megatron_dir.is_zarr_checkpoint(root / "save" / f"iter_{it:07d}")
+    assert (root / "save" / "latest_checkpointed_iteration.txt").read_text().strip() == \
+        str(ITERS)
+    steps = list(range(1, ITERS + 1))
+    floor = max_relative_difference([layout_run.losses[i] for i in steps],
+                                    [plain_run.losses[i] for i in steps])
+    assert floor <= FLOOR_MAX, (floor, layout_run.losses, plain_run.losses)
+    after = list(range(SAVE_AT + 1, ITERS + 1))
+    assert sorted(resumed.losses) == after, resumed.losses
+    difference = max_relative_difference([resumed.losses[i] for i in after],
+                                         [layout_run.losses[i] for i in after])
+    tolerance = max(FLOOR_FACTOR * floor, FLOOR_MIN)
+    print(f"\nnoise floor (TP2xDP2 distopt vs TP1xDP4 plain, {ITERS} steps): {floor:.2e}; "
+          f"resumed TP1xPP2xDP2 vs uninterrupted: {difference:.2e} (tolerance "
+          f"{tolerance:.2e})")
+    assert difference <= tolerance, (difference, tolerance, resumed.losses,
+                                     layout_run.losses)
+
+
+# ----------------------------------------------------------------- arguments
+
+
+def _check_args(megatron_lm: Path, cases: list[tuple[int, list[str]]], tmp_path: Path):
+    """Each case through Megatron-LM's own parse_args + validate_args, in one process."""
+    spec = tmp_path / "cases.json"
+    spec.write_text(json.dumps([{"world_size": n, "argv": default_args() + argv}
+                                for n, argv in cases]))
+    path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "pretrain_gpt_args_check.py"),
+         str(megatron_lm), str(spec)], capture_output=True, text=True, timeout=240,
+        env=dict(os.environ, PYTHONPATH=path, **RUN_ENV), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(cases), result.stdout
+    return lines
+
+
+@pytest.mark.timeout(300)
+def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
+    uniform = tmp_path / "uniform.yaml"
+    uniform.write_text("pipelines:\n" + "  - micro_batches: 8\n    stages: "
+                       "[{tp: 2, layers: 5}, {tp: 2, layers: 3}]\n" * 2)
+    hetero = tmp_path / "hetero.yaml"
+    hetero.write_text("pipelines:\n  - micro_batches: 8\n    stages: [{tp: 2, layers: 5}, "
+                      "{tp: 1, layers: 3}]\n  - micro_batches: 8\n    stages: "
+                      "[{tp: 1, layers: 8}]\n")
+    results = _check_args(patched_megatron_lm, [
+        (4, ["--elastor-layout", "dp2-tp2-pp1"]),
+        (4, ["--elastor-layout", "dp2-tp2-pp1", "--global-batch-size", "16"]),
+        (8, ["--elastor-layout", str(uniform)]),
+        (4, ["--elastor-layout", "dp2-tp2-pp1", "--tensor-model-parallel-size", "1"]),
+        (4, ["--elastor-layout", str(uniform), "--global-batch-size", "8"]),
+        (8, ["--elastor-layout", "dp2-tp2-pp1"]),
+        (4, ["--elastor-layout", "dp1-tp1-pp4", "--num-layers-per-virtual-pipeline-stage",
+             "1"]),
+        (4, ["--elastor-layout", str(hetero), "--use-distributed-optimizer"]),
+    ], tmp_path)
+    derived, with_batch, from_file, conflict, bad_batch, idle, virtual, distopt = results
+    # Megatron's default global batch (micro-batch x DP) for a shorthand; the file's
+    # micro-batch counts otherwise; Megatron's validation passed on each.
+    assert derived == {"exit": 0, "tp": 2, "pp": 1, "dp": 2, "gbs": 2}
+    assert with_batch == {"exit": 0, "tp": 2, "pp": 1, "dp": 2, "gbs": 16}
+    assert from_file == {"exit": 0, "tp": 2, "pp": 2, "dp": 2, "gbs": 16}
+    assert conflict["exit"] == 2 and "--tensor-model-parallel-size 1 conflicts with " \
+        "--elastor-layout dp2-tp2-pp1" in conflict["error"], conflict
+    assert bad_batch["exit"] == 2 and "micro_batches" in bad_batch["error"], bad_batch
+    assert idle["exit"] == 2 and "uses 4 ranks but 8 were started" in idle["error"], idle
+    assert virtual["exit"] == 2 and "virtual pipeline" in virtual["error"], virtual
+    assert distopt["exit"] == 2 and "--use-distributed-optimizer on a heterogeneous" \
+        in distopt["error"], distopt
