@@ -58,7 +58,8 @@ def summary(profile, recipe) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from elastor_mcore.elastic.profiling import ProfileError, default_tp_sizes, measure
+    from elastor_mcore.elastic.profiling import (ProfileError, default_tp_sizes, device_count,
+                                                 measure)
     from elastor_mcore.cli.launch import devices
 
     try:
@@ -72,17 +73,14 @@ def run(args: argparse.Namespace) -> int:
         base = load_hardware(base_path)
         if args.repeats < 3:
             raise ValueError(f"--repeats must be at least 3 (medians), got {args.repeats}")
-        count = None
-        if device == "cuda":
-            import torch
-            count = torch.cuda.device_count()
-        allowed = default_tp_sizes(recipe, base, count)
+        allowed = default_tp_sizes(recipe, base, device_count() if device == "cuda" else None)
         tp_sizes = ([int(t) for t in args.tp_sizes.split(",")] if args.tp_sizes else allowed)
         bad = [t for t in tp_sizes if t not in allowed]
         if bad:
             raise ValueError(f"--tp-sizes {bad}: this recipe and machine allow {allowed} "
-                             f"(divisors of heads, query groups and FFN width within a node "
-                             f"of {base.gpus_per_node}, twice on the devices)")
+                             f"(divisors of heads, query groups and FFN width, at most the "
+                             f"{base.gpus_per_node} GPUs of a node and, on CUDA, half the "
+                             f"visible devices: two-stage pipelines are measured)")
     except (RecipeError, HardwareError, ValueError) as exc:
         print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 2

@@ -45,6 +45,11 @@ def default_tp_sizes(recipe: Recipe, hardware: HardwareProfile,
     return [t for t in recipe.model.valid_tp_sizes if t <= max(1, limit)]
 
 
+def device_count() -> int:
+    import torch
+    return torch.cuda.device_count()
+
+
 def device_name(device: Device) -> str:
     if device == "cuda":
         import torch
@@ -131,7 +136,7 @@ def choose_profile(run_dir: Path, recipe_path: str, recipe: Recipe, given: Path,
         return ProfileChoice(base, given, describe(base, recipe))
     if not measure_missing:
         return ProfileChoice(base, given, describe(base, recipe))
-    tp_sizes = default_tp_sizes(recipe, base)
+    tp_sizes = default_tp_sizes(recipe, base, device_count() if device == "cuda" else None)
     on_line(f"measuring a hardware profile for {recipe.name} (TP {tp_sizes}), once per "
             f"run directory ...")
     profile = measure(recipe_path, recipe, base, tp_sizes, device, repeats=5, on_line=on_line)
