@@ -8,9 +8,9 @@ a warm-up + cosine schedule and ``clip_grad`` low enough that every step clips:
   same losses and weights bit for bit, and (crossed, bf16) the same fp32 main
   parameters and moments, bit for bit, in both runs' checkpoints;
 * a ZeRO-1 bf16 checkpoint of the heterogeneous layout resumed unsharded on a uniform
-  layout, and the unsharded checkpoint resumed under ZeRO-1 on the three-pipeline
-  layout: each loads the global fp32 state bit-exact and continues the lr schedule
-  exactly;
+  layout, and an unsharded bf16 checkpoint of the uniform layout resumed under ZeRO-1
+  on the three-pipeline layout: each loads the global fp32 state bit-exact and
+  continues the lr schedule exactly;
 * the optimizer-state bytes of every rank of the crossed layout, measured on its
   tensors, with and without sharding, against 12 bytes per parameter divided by its
   replica count.
@@ -70,13 +70,14 @@ def world(tmp_path_factory) -> Path:
     cases = []
     for name, (layout, dtype) in PAIRS.items():
         for zero in (False, True):
-            save = f",save={ck / name}-{zero}" if name == "crossed-bf16" else ""
+            saves = name == "crossed-bf16" or (name == "uniform-bf16" and not zero)
+            save = f",save={ck / name}-{zero}" if saves else ""
             cases.append(f"{name}-{zero}={layout_arg(layout)}:{STEPS},"
                          f"recipe={recipes[dtype, zero]}{save}")
     cases += [f"zero-to-plain=dp2-tp2-pp1:{RESUMED_STEPS},recipe={recipes['bfloat16', False]},"
               f"load={ck / 'crossed-bf16-True'},verify",
               f"plain-to-zero={layout_arg('three-pipelines-uneven')}:{RESUMED_STEPS},"
-              f"recipe={recipes['bfloat16', True]},load={ck / 'crossed-bf16-False'},verify"]
+              f"recipe={recipes['bfloat16', True]},load={ck / 'uniform-bf16-False'},verify"]
     args = ["--out", str(out)]
     for case in cases:
         args += ["--case", case]
@@ -158,7 +159,7 @@ def test_sharded_and_unsharded_checkpoints_hold_the_same_global_fp32_state(world
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("case, saved", [("zero-to-plain", "crossed-bf16-True"),
-                                         ("plain-to-zero", "crossed-bf16-False")])
+                                         ("plain-to-zero", "uniform-bf16-False")])
 def test_resume_across_sharding_and_layouts_is_bit_exact(world, case, saved):
     stored = checkpoint.open(world / "checkpoints" / saved)
     loaded = global_state(sorted((world / case).glob("loaded.rank*.pt")))
@@ -174,8 +175,8 @@ def test_resume_across_sharding_and_layouts_is_bit_exact(world, case, saved):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_both_resumes_continue_the_same_run(world):
-    """Both continue from the same (bit-identical) state, under other layouts and
-    sharding: bf16 noise apart, the same losses."""
+    """Both continue the same run (saved under two layouts, so bf16 noise apart),
+    under other layouts and sharding: the same losses within bf16's tolerance."""
     a = [m["loss"] for m in metrics(world, "zero-to-plain")]
     b = [m["loss"] for m in metrics(world, "plain-to-zero")]
     diff = max_relative_difference(a, b)
