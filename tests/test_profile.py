@@ -176,3 +176,17 @@ def test_supervisor_plans_with_the_cached_profile_and_says_so(measured, tmp_path
     (run_dir / CACHED_NAME).write_text(yaml.safe_dump(elsewhere))
     choice = choose_profile(run_dir, str(TINY), RECIPE, CPU_SLOTS, "cpu", False, lines.append)
     assert choice.path == CPU_SLOTS and "not measured" in choice.why
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp-sizes", "3"], "allow [1, 2, 4]"),
+    (["--repeats", "1"], "at least 3"),
+    (["--hardware", "missing.yaml"], "does not exist"),
+])
+def test_bad_input_is_refused_before_measuring(args, message, tmp_path, capsys):
+    from elastor_mcore import cli
+
+    argv = ["profile", "--recipe", str(TINY), "--out", str(tmp_path / "p.yaml"),
+            "--devices", "cpu", *args]
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "p.yaml").exists()
