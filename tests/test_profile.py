@@ -39,11 +39,12 @@ def measured(tmp_path_factory):
     """One real measurement, shared: (profile path, the command's stdout)."""
     out = tmp_path_factory.mktemp("profile") / "measured.yaml"
     result = elastor("profile", "--recipe", str(TINY), "--tp-sizes", "1,2", "--repeats", "3",
-                     "--out", str(out), "--devices", "cpu")
+                     "--out", str(out), "--devices", "cpu", timeout=500)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return out, result.stdout
 
 
+@pytest.mark.timeout(600)  # the shared measurement starts a 4-rank world
 def test_profile_writes_tables_the_planner_reads(measured):
     path, stdout = measured
     for line in ("12 stages built (TP [1, 2])", "stages measured (fastest of 3 repetitions)",
@@ -145,7 +146,7 @@ def test_old_profiles_load_unchanged():
     assert {k: v for k, v in hardware.to_dict().items() if k in data} == data
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)
 def test_supervisor_plans_with_the_cached_profile_and_says_so(measured, tmp_path):
     path, _ = measured
     run_dir = tmp_path / "run"
@@ -156,8 +157,8 @@ def test_supervisor_plans_with_the_cached_profile_and_says_so(measured, tmp_path
     assert choice.path == run_dir / CACHED_NAME and choice.why.startswith("cached: measured")
     assert choice.hardware.measurements_for(RECIPE) is not None and not lines
     result = elastor("launch", "--recipe", str(TINY), "--hardware", str(CPU_SLOTS),
-                     "--slots", "2", "--steps", "3", "--save-interval", "3", "--run-dir",
-                     str(run_dir), "--no-async-save", "--devices", "cpu", timeout=300)
+                     "--slots", "2", "--steps", "2", "--save-interval", "2", "--run-dir",
+                     str(run_dir), "--no-async-save", "--devices", "cpu", timeout=800)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert f"planner profile: {run_dir / CACHED_NAME} (cached: measured for tiny-llama" \
         in result.stdout
@@ -166,7 +167,7 @@ def test_supervisor_plans_with_the_cached_profile_and_says_so(measured, tmp_path
     launch = json.loads((run_dir / "timeline.json").read_text())["launches"][0]
     records = [json.loads(line) for line in
                (run_dir / "launch0" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["predicted_s"] for r in records] == [launch["predicted_step_s"]] * 3
+    assert [r["predicted_s"] for r in records] == [launch["predicted_step_s"]] * 2
     log = (run_dir / "launch0" / "torchrun.log").read_text()
     assert f"{launch['predicted_step_s']:.3f}s per step predicted for this layout" in log
     assert "measured (median of the steps after the first)" in log
