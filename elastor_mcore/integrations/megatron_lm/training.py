@@ -97,6 +97,12 @@ def unsupported_reason(layout: Layout, args) -> str | None:
         return (f"--dataloader-type {args.dataloader_type} on a heterogeneous layout: "
                 f"each pipeline reads its slice of the global batch in order; use "
                 f"--dataloader-type single")
+    for flag, attr, train_value in (
+            ("--eval-micro-batch-size", "eval_micro_batch_size", args.micro_batch_size),
+            ("--eval-global-batch-size", "eval_global_batch_size", args.global_batch_size)):
+        if getattr(args, attr, None) not in (None, train_value):
+            return (f"{flag} {getattr(args, attr)} on a heterogeneous layout: evaluation "
+                    f"runs the layout's micro-batches, like training; drop {flag}")
     if not getattr(args, "untie_embeddings_and_output_weights", True) and any(
             len(p.stages) > 1 for p in layout.pipelines):
         return ("tied embeddings on a pipeline of several stages: the first and last "
