@@ -6,7 +6,6 @@ needs process groups; the rest runs in the test process.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import difflib
 import importlib
@@ -225,63 +224,6 @@ def test_cli_convert_hf_to_zarr_prints_progress(hf_checkpoint, tmp_path, capsys)
 # ----------------------------------------------------------------- flags and hooks
 
 
-def megatron_namespace(**overrides) -> argparse.Namespace:
-    """The Megatron-LM arguments the hooks read, for the tiny recipe."""
-    values = dict(num_layers=8, hidden_size=64, num_attention_heads=8,
-                  group_query_attention=True, num_query_groups=4, ffn_hidden_size=192,
-                  padded_vocab_size=500, seq_length=32, max_position_embeddings=32,
-                  rotary_base=10000, norm_epsilon=1e-5, init_method_std=0.02,
-                  make_vocab_size_divisible_by=128, global_batch_size=16,
-                  micro_batch_size=1, seed=1234, bf16=False, rank=0,
-                  tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                  virtual_pipeline_model_parallel_size=None,
-                  pipeline_model_parallel_layout=None, vocab_size=None,
-                  data_parallel_size=1)
-    values.update(overrides)
-    return argparse.Namespace(**values)
-
-
-def test_add_elastor_args_and_options(tmp_path):
-    from elastor_mcore.integrations.megatron_lm.args import add_elastor_args, options_from_args
-
-    layout = tmp_path / "layout.yaml"
-    layout.write_text("pipelines:\n  - micro_batches: 16\n    stages:\n"
-                      "      - {tp: 2, layers: 5}\n      - {tp: 1, layers: 3}\n")
-    parser = add_elastor_args(argparse.ArgumentParser())
-    parsed = parser.parse_args(["--elastor-layout", str(layout), "--elastor-ckpt-format",
-                                "zarr", "--elastor-ckpt-keep", "2"])
-    options = options_from_args(megatron_namespace(**vars(parsed)))
-    assert options.ckpt_format == "zarr" and options.save.keep == 2
-    assert [s.tp for s in options.layout.pipelines[0].stages] == [2, 1]
-    assert options.save.chunking.split_sizes == (1, 2, 4)
-    assert options.save.manifest_extra["model"]["vocab_size"] == 500
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--elastor-ckpt-format", "torch_dist"])
-    with pytest.raises(ValueError, match="--ckpt-format torch"):
-        options_from_args(megatron_namespace(**vars(parsed), ckpt_format="torch"))
-
-
-def test_adapt_args_rewrites_the_rank_to_its_stage():
-    from elastor_mcore.parallel.groups import RankGroups
-    from elastor_mcore.parallel.layout import RankPosition, layout_from_dict
-    from elastor_mcore.integrations.megatron_lm.args import adapt_args
-
-    layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
-        {"tp": 2, "layers": 5}, {"tp": 1, "layers": 3}]}]})
-    groups = RankGroups(layout, 2, RankPosition(0, 1, 0), *([None, []] * 4), None, None)
-    args = megatron_namespace(padded_vocab_size=500)
-    adapt_args(args, groups)
-    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            args.data_parallel_size) == (1, 2, 1)
-    assert args.pipeline_model_parallel_layout == [
-        ["embedding"] + ["decoder"] * 5, ["decoder"] * 3 + ["loss"]]
-    assert args.padded_vocab_size == 512
-    assert not layout.is_uniform
-    uniform = layout_from_dict({"pipelines": [
-        {"micro_batches": 8, "stages": [{"tp": 2, "layers": 5}, {"tp": 2, "layers": 3}]}] * 2})
-    assert uniform.is_uniform
-
-
 def test_hooks_route_by_marker_and_restore(tmp_path):
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import serialization
@@ -349,7 +291,7 @@ def test_recipe_builds_transformer_config(name):
 
 PATCH_FOR_RELEASE = {  # Megatron-LM archive in ../shared/third_party -> the patch for it
     "v0.16.1": "megatron-lm-core_v0.16.1-pretrain_gpt.patch",
-    "v0.19.0": "megatron-lm-core_r0.19.0-pretrain_gpt.patch",
+    "v0.19.0": "megatron-lm-core_v0.19.0-pretrain_gpt.patch",
 }
 
 

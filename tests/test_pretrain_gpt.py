@@ -145,8 +145,11 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
         (4, ["--elastor-layout", "dp1-tp1-pp4", "--num-layers-per-virtual-pipeline-stage",
              "1"]),
         (4, ["--elastor-layout", str(hetero), "--use-distributed-optimizer"]),
+        (1, ["--elastor-ckpt-format", "zarr", "--ckpt-format", "torch"]),
+        (1, ["--elastor-ckpt-keep", "-1"]),
     ], tmp_path)
-    derived, with_batch, from_file, conflict, bad_batch, idle, virtual, distopt = results
+    (derived, with_batch, from_file, conflict, bad_batch, idle, virtual, distopt,
+     ckpt_format, keep) = results
     # Megatron's default global batch (micro-batch x DP) for a shorthand; the file's
     # micro-batch counts otherwise; Megatron's validation passed on each.
     assert derived == {"exit": 0, "tp": 2, "pp": 1, "dp": 2, "gbs": 2}
@@ -159,3 +162,5 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
     assert virtual["exit"] == 2 and "virtual pipeline" in virtual["error"], virtual
     assert distopt["exit"] == 2 and "--use-distributed-optimizer on a heterogeneous" \
         in distopt["error"], distopt
+    assert ckpt_format["exit"] == 2 and "drop --ckpt-format torch" in ckpt_format["error"]
+    assert keep["exit"] == 2 and "--elastor-ckpt-keep=-1" in keep["error"], keep

@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 from elastor_mcore.integrations.megatron_lm import hooks
 from elastor_mcore.checkpoint import ChunkPolicy
 from elastor_mcore.parallel.groups import RankGroups
-from elastor_mcore.parallel.layout import Layout, LayoutError, layout_from_dict, load_layout, mcore_pipeline_layout
+from elastor_mcore.parallel.layout import (
+    Layout, LayoutError, layout_from_dict, load_layout, mcore_pipeline_layout)
 from elastor_mcore.config.yaml_file import read_yaml_file
 from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
 from elastor_mcore.integrations.megatron_lm.hooks import CKPT_FORMATS, ElastorOptions
@@ -68,13 +69,14 @@ def _derive_from_layout_on_parse(parser: argparse.ArgumentParser) -> None:
 
     def parse_known_args(args: Sequence[str] | None = None, namespace=None):
         parsed, extras = original(args, namespace)
-        if getattr(parsed, "elastor_layout", None):
-            argv = list(sys.argv[1:] if args is None else args)
-            try:
+        argv = list(sys.argv[1:] if args is None else args)
+        try:
+            check_checkpoint_flags(parsed)
+            if parsed.elastor_layout:
                 apply_layout_args(parsed, explicit_flags(argv),
                                   int(os.environ.get("WORLD_SIZE", "1")))
-            except (ValueError, LayoutError) as exc:
-                parser.error(str(exc))
+        except (ValueError, LayoutError) as exc:
+            parser.error(str(exc))
         return parsed, extras
 
     parser.parse_known_args = parse_known_args
@@ -221,8 +223,8 @@ def _tokenizer_vocab_size() -> int | None:
         return None
 
 
-def options_from_args(args: argparse.Namespace, vocab_size: int | None = None) -> ElastorOptions:
-    """Hook options from parsed Megatron-LM arguments (validates the layout)."""
+def check_checkpoint_flags(args: argparse.Namespace) -> None:
+    """Elastor's checkpoint flags against Megatron-LM's (a ValueError naming both)."""
     if args.elastor_ckpt_keep < 0:
         raise ValueError(f"--elastor-ckpt-keep={args.elastor_ckpt_keep}: use 0 (keep all) "
                          f"or a positive count")
@@ -231,6 +233,11 @@ def options_from_args(args: argparse.Namespace, vocab_size: int | None = None) -
         raise ValueError(f"--elastor-ckpt-format {args.elastor_ckpt_format} replaces the "
                          f"torch_dist backend; drop --ckpt-format {ckpt_format} (the default, "
                          f"torch_dist, is needed)")
+
+
+def options_from_args(args: argparse.Namespace, vocab_size: int | None = None) -> ElastorOptions:
+    """Hook options from parsed Megatron-LM arguments (validates the layout)."""
+    check_checkpoint_flags(args)
     recipe = recipe_from_args(args, vocab_size)
     layout = load_layout(args.elastor_layout, recipe) if args.elastor_layout else None
     split = tuple(args.elastor_split_sizes or recipe.model.valid_tp_sizes)
