@@ -36,7 +36,7 @@ FLOOR_MAX = 5e-3
 
 
 def _run(megatron_lm, nproc, args, workdir):
-    run = run_pretrain_gpt(megatron_lm, nproc, COMMON + args, workdir, timeout=420)
+    run = run_pretrain_gpt(megatron_lm, nproc, COMMON + args, workdir, timeout=900)
     if run.returncode:
         pytest.fail(f"pretrain_gpt.py failed\n{run.tail()}")
     return run
@@ -71,7 +71,7 @@ def uniform_runs(patched_megatron_lm, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3000)
 def test_layout_derives_megatron_parallel_sizes(uniform_runs):
     _, layout_run, plain_run, _ = uniform_runs
     for run, tp, dp in ((layout_run, 2, 2), (plain_run, 1, 4)):
@@ -82,7 +82,7 @@ def test_layout_derives_megatron_parallel_sizes(uniform_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3000)
 def test_zarr_saved_async_and_resumed_under_another_layout_continues_the_loss(uniform_runs):
     root, layout_run, plain_run, resumed = uniform_runs
     from elastor_mcore.checkpoint import megatron_dir
@@ -118,7 +118,7 @@ def _check_args(megatron_lm: Path, cases: list[tuple[int, list[str]]], tmp_path:
     path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "pretrain_gpt_args_check.py"),
-         str(megatron_lm), str(spec)], capture_output=True, text=True, timeout=240,
+         str(megatron_lm), str(spec)], capture_output=True, text=True, timeout=600,
         env=dict(os.environ, PYTHONPATH=path, **RUN_ENV), cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
@@ -126,7 +126,7 @@ def _check_args(megatron_lm: Path, cases: list[tuple[int, list[str]]], tmp_path:
     return lines
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(700)
 def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
     uniform = tmp_path / "uniform.yaml"
     uniform.write_text("pipelines:\n" + "  - micro_batches: 8\n    stages: "

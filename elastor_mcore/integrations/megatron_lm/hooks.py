@@ -6,8 +6,11 @@ Everything is done by replacing module attributes, because Megatron-LM looks the
 at call time (``mpu.initialize_model_parallel(...)``, ``dist_checkpointing.save(...)``).
 Names other modules imported by value are replaced there too:
 ``serialization.load_common_state_dict`` (used by ``load_content_metadata``) and
-``get_default_load_sharded_strategy`` (imported by ``megatron.training.checkpointing``,
-which would fail on the unknown backend of a zarr checkpoint). Under a layout,
+``get_default_load_sharded_strategy`` (imported by ``megatron.training.checkpointing``
+at core_v0.16.1, which would fail on the unknown backend of a zarr checkpoint). At
+core_v0.19.0 ``checkpointing.py`` builds ``TorchDistLoadShardedStrategy`` itself and
+hands it to ``dist_checkpointing.load``; the patched ``load`` looks at the checkpoint's
+marker before any strategy is used, so zarr loads go through it on both releases. Under a layout,
 Megatron-LM's ``_build_sharded_state_dict_metadata`` also asks for per-layer keys.
 
 Loads dispatch on the checkpoint's ``metadata.json`` marker, so torch_dist checkpoints
