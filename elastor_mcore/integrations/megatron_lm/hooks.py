@@ -10,8 +10,8 @@ Names other modules imported by value are replaced there too:
 at core_v0.16.1, which would fail on the unknown backend of a zarr checkpoint). At
 core_v0.19.0 ``checkpointing.py`` builds ``TorchDistLoadShardedStrategy`` itself and
 hands it to ``dist_checkpointing.load``; the patched ``load`` looks at the checkpoint's
-marker before any strategy is used, so zarr loads go through it on both releases. Under a layout,
-Megatron-LM's ``_build_sharded_state_dict_metadata`` also asks for per-layer keys.
+marker before any strategy is used, so zarr loads go through it on both releases.
+Under a layout, Megatron-LM's ``_build_sharded_state_dict_metadata`` also asks for per-layer keys.
 
 Loads dispatch on the checkpoint's ``metadata.json`` marker, so torch_dist checkpoints
 keep loading while saves go to zarr. Options may be given directly (tests, custom
