@@ -189,9 +189,13 @@ def test_inspect_and_convert_on_s3_urls(trained, tmp_path):
     original, converted = ck.open(root), ck.open(back)
     weights = [i.name for i in original.tensors() if not i.name.startswith("optimizer.")]
     assert sorted(weights) == sorted(i.name for i in converted.tensors())
+    vocab = original.manifest.model["vocab_size"]  # hf cuts the padded rows; import zeroes them
     for name in weights:
-        assert torch.equal(original.read(name).to(converted.read(name).dtype),
-                           converted.read(name)), name
+        saved, back = original.read(name), converted.read(name)
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert not back[vocab:].any(), name
+            saved, back = saved[:vocab], back[:vocab]
+        assert torch.equal(saved.to(back.dtype), back), name
 
     refused = elastor("convert", root, str(tmp_path / "td"), "--to", "torch_dist",
                       timeout=120)
