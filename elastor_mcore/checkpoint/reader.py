@@ -266,7 +266,8 @@ def read_boxes(step_dir: Path | ObjectPath, manifest: Manifest,
     rest: list[LocalShard] = []
     local = not isinstance(step_dir, ObjectPath)
     for target in targets:
-        handled = fast and local and fast_read.handles(manifest.tensors[target.key], target)
+        handled = (fast and local
+                   and fast_read.handles(manifest.tensors[target.key], target))
         (direct if handled else rest).append(target)
     if direct:
         fast_read.read_targets(step_dir, manifest.tensors, direct)
