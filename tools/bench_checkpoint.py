@@ -494,16 +494,14 @@ def local_s3_server():
 
 def print_storage_table(f: dict[str, float], out: str) -> None:
     save, load = STORAGE_CASE
-    print(f"
-state: {f['state_bytes_total'] / 1e9:.3f} GB; save under {save}, load under "
+    print(f"\nstate: {f['state_bytes_total'] / 1e9:.3f} GB; save under {save}, load under "
           f"{load}; load needs {f['load_bytes_needed'] / 1e9:.3f} GB")
     print(f"  {'':8s} {'save s':>9s} {'load s':>9s} {'GB read':>9s} {'read/needed':>12s}")
     for storage in ("local", "s3"):
         read = f[f"{storage}_load_bytes_read"]
         print(f"  {storage:8s} {f[f'{storage}_save_s']:9.3f} {f[f'{storage}_load_s']:9.3f} "
               f"{read / 1e9:9.3f} {read / f['load_bytes_needed']:12.3f}")
-    print(f"
-figures written to {out}")
+    print(f"\nfigures written to {out}")
 
 
 def ratios(f: dict[str, float]) -> dict[str, float]:
