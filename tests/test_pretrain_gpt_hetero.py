@@ -1,0 +1,142 @@
+"""Heterogeneous layouts through Megatron-LM's own loop: the real patched
+``pretrain_gpt.py`` under torchrun on CPU/gloo (``tests/pretrain_gpt_run.py``), with
+``--elastor-layout`` file that varies TP per stage, layers per stage, stage counts and
+micro-batch counts (``elastor_mcore/integrations/megatron_lm/training.py``).
+
+Megatron-LM initialises weights differently under every layout, so every run starts
+from one uniform run's zarr checkpoint (iteration ``START``); the reference is a
+uniform run resumed from the same checkpoint (same weights, optimizer state and data
+position; it also runs the evaluation). Every run has the same ``--train-iters`` (one
+lr schedule) and stops early with ``--exit-interval``. fp32 differs only by reduction
+order.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from pathlib import Path
+
+import pytest
+import yaml
+
+from elastor_mcore.compat.mcore import mcore_version
+from tests.pretrain_gpt_run import PretrainRun, run_pretrain_gpt
+
+GLOBAL_BATCH = 12
+START, SAVE, ITERS = 2, 4, 5
+
+LAYOUT_TWO_PIPELINES = {"pipelines": [
+    {"micro_batches": 5, "stages": [{"tp": 2, "layers": 5}, {"tp": 1, "layers": 3}]},
+    {"micro_batches": 7, "stages": [{"tp": 1, "layers": 2}, {"tp": 1, "layers": 3},
+                                    {"tp": 1, "layers": 3}]},
+]}
+"""A ``[tp2 | tp1]`` pipeline beside a ``[tp1 | tp1 | tp1]`` one, uneven layers, 5 and 7
+micro-batches (6 ranks)."""
+FP32_RTOL = 2e-5
+"""Reduction order only (the per-token sums and the cross-pipeline reduction add in
+another order than DDP's average); the test prints the measured difference (``-rP``)."""
+_VALIDATION = re.compile(r"validation loss at iteration\s+(\d+)[^|]*\| lm loss value: "
+                         r"([-+0-9.eE]+)")
+_CONSUMED = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+)")
+
+
+def validation_losses(run: PretrainRun) -> dict[int, float]:
+    return {int(i): float(v) for i, v in _VALIDATION.findall(run.stdout)}
+
+
+def consumed_samples(run: PretrainRun) -> dict[int, int]:
+    return {int(i): int(n) for i, n in _CONSUMED.findall(run.stdout)}
+
+
+def relative_difference(run: dict[int, float], reference: dict[int, float],
+                        iterations) -> float:
+    missing = [i for i in iterations if i not in run or i not in reference]
+    assert not missing, f"no loss logged for iterations {missing}"
+    return max(abs(run[i] - reference[i]) / abs(reference[i]) for i in iterations)
+
+
+class Runner:
+    """Runs in one work directory, each saving zarr checkpoints there; each must succeed."""
+
+    def __init__(self, megatron_lm_dir: Path, workdir: Path) -> None:
+        self.megatron_lm_dir, self.workdir = megatron_lm_dir, workdir
+
+    def layout_file(self, name: str, layout: dict) -> str:
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(layout))
+        return str(path)
+
+    def __call__(self, name: str, nproc: int, layout: str, *args: str) -> PretrainRun:
+        run = run_pretrain_gpt(
+            self.megatron_lm_dir, nproc,
+            ["--elastor-layout", layout, "--global-batch-size", str(GLOBAL_BATCH),
+             "--elastor-ckpt-format", "zarr", "--save", str(self.workdir / name),
+             "--save-interval", "1000", *args],
+            self.workdir / f"{name}.run", timeout=300)
+        assert run.returncode == 0, run.tail()
+        assert not any(run.skipped), f"{name}: skipped iterations\n{run.tail()}"
+        return run
+
+    def resume(self, name: str, nproc: int, layout: str, load: str, step: int,
+               *args: str) -> PretrainRun:
+        return self(name, nproc, layout, "--load", str(self.workdir / load),
+                    "--ckpt-step", str(step), *args)
+
+
+EVAL = ["--eval-iters", "1", "--eval-interval", "2"]
+
+
+class Runs:
+    """The module's runs, each started when a test first needs it (``-k`` selects a
+    subset without paying for the rest)."""
+
+    def __init__(self, run: Runner) -> None:
+        self.run = run
+        self.two = run.layout_file("two_pipelines", LAYOUT_TWO_PIPELINES)
+        self.iters = ["--train-iters", str(ITERS)]
+
+    @cached_property
+    def start(self) -> PretrainRun:
+        return self.run("start", 1, "dp1-tp1-pp1", *self.iters, "--exit-interval", str(START))
+
+    @cached_property
+    def uniform(self) -> PretrainRun:
+        assert self.start
+        return self.run.resume("uniform", 1, "dp1-tp1-pp1", "start", START, *self.iters,
+                               *EVAL, "--save-interval", str(SAVE))
+
+    @cached_property
+    def two_pipelines(self) -> PretrainRun:
+        assert self.start
+        return self.run.resume("two_pipelines", 6, self.two, "start", START, *self.iters,
+                               *EVAL, "--exit-interval", str(SAVE))
+
+
+@pytest.fixture(scope="module")
+def fp32(patched_megatron_lm, megatron_lm_dir, tmp_path_factory) -> Runs:
+    if mcore_version() >= (0, 19):
+        pytest.skip("per-stage TP under Megatron-LM core_r0.19 needs adapt_args to set "
+                    "args.tensor_parallel_num_weight_shards to the stage's TP (it keeps "
+                    "the validated 1 and TransformerConfig refuses a TP-2 stage)")
+    return Runs(Runner(megatron_lm_dir, tmp_path_factory.mktemp("hetero_fp32")))
+
+
+def test_fp32_losses_match_the_uniform_run(fp32):
+    layout = "two_pipelines"
+    reference, run = fp32.uniform.losses, fp32.two_pipelines.losses
+    steps = range(START + 1, max(run) + 1)
+    assert max(run) >= SAVE, run
+    difference = relative_difference(run, reference, steps)
+    print(f"{layout}: iterations {list(steps)} differ from the uniform run by "
+          f"{difference:.2e} relative (tolerance {FP32_RTOL:.0e})")
+    assert difference <= FP32_RTOL, (run, reference)
+
+
+def test_fp32_consumed_samples_and_evaluation(fp32):
+    """Each step consumes one global batch; the validation loss (forward-only schedule)
+    on the heterogeneous layout matches the uniform run's at the same iteration."""
+    run = fp32.two_pipelines
+    assert consumed_samples(run) == {i: i * GLOBAL_BATCH for i in range(START + 1, SAVE + 1)}
+    reference, losses = validation_losses(fp32.uniform), validation_losses(run)
+    assert relative_difference(losses, reference, [SAVE]) <= FP32_RTOL, (losses, reference)
