@@ -205,28 +205,3 @@ def _training_utils(module) -> None:
     # CUDA_DEVICE_MAX_CONNECTIONS=1) apply.
     module.get_device_arch_version = lambda: 9
 
-
-@after_import("megatron.core.optimizer.distrib_optimizer")
-def _distrib_optimizer(module) -> None:
-    # Without Apex/TE (their fused Adam needs CUDA) the distributed optimizer wraps
-    # torch's Adam, and distrib_optimizer.py:641 (mcore 0.16; :839 in 0.19) asserts one
-    # "step" over the Adam states. Megatron-LM builds the sharded state dict to load
-    # into before any step, when torch's Adam has no state yet: give it the state its
-    # first step would create (zeros, step 0), which the load then overwrites.
-    import torch
-
-    cls = module.DistributedOptimizer
-    original = cls.sharded_state_dict
-
-    @functools.wraps(original)
-    def sharded_state_dict(self, *args, **kwargs):
-        is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
-        if is_loading and not self.optimizer.state:
-            for group in self.optimizer.param_groups:
-                for param in group["params"]:
-                    self.optimizer.state[param] = {
-                        "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
-                        "exp_avg_sq": torch.zeros_like(param)}
-        return original(self, *args, **kwargs)
-
-    cls.sharded_state_dict = sharded_state_dict
