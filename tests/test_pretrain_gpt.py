@@ -82,6 +82,11 @@ def test_layout_derives_megatron_parallel_sizes(uniform_runs):
         assert f"data_parallel_size .............................. {dp}" in run.stdout
     assert sorted(layout_run.losses) == sorted(plain_run.losses) == list(range(1, ITERS + 1))
     assert set(layout_run.skipped) == {0}
+    steps = list(range(1, ITERS + 1))
+    floor = max_relative_difference([layout_run.losses[i] for i in steps],
+                                    [plain_run.losses[i] for i in steps])
+    print(f"\nnoise floor (TP2xDP2 plain vs TP1xDP4 distopt, {ITERS} steps): {floor:.2e}")
+    assert floor <= FLOOR_MAX, (floor, layout_run.losses, plain_run.losses)
 
 
 @pytest.mark.slow
