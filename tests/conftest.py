@@ -47,6 +47,32 @@ def assemble_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return full
 
 
+LAYOUTS = REPO / "tests" / "layouts"
+
+
+def layout_arg(name: str) -> str:
+    """A test layout by name: ``tests/layouts/<name>.yaml`` if it exists, else a
+    shorthand such as ``dp2-tp2-pp2``."""
+    path = LAYOUTS / f"{name}.yaml"
+    return str(path) if path.exists() else name
+
+
+def write_tiny_recipe(path: Path, optimizer: dict | None = None, **training) -> Path:
+    """The tiny recipe with ``training`` (and ``training.optimizer``) settings
+    replaced, validated, written to ``path``."""
+    import yaml
+
+    from elastor_mcore.config.recipe import RecipeError, recipe_from_dict
+    from elastor_mcore.config.yaml_file import read_yaml_file
+
+    data = read_yaml_file(TINY, "recipe", RecipeError)
+    data["training"].update(training)
+    data["training"]["optimizer"].update(optimizer or {})
+    recipe_from_dict(data)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def max_relative_difference(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))

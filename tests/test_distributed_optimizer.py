@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from elastor_mcore import checkpoint
 from elastor_mcore.config.recipe import RecipeError, recipe_from_dict
@@ -31,9 +30,9 @@ from elastor_mcore.config.yaml_file import read_yaml_file
 from elastor_mcore.geometry import Box, Cell
 from elastor_mcore.runtime.distributed_optimizer import row_cuts, shard_buckets
 from elastor_mcore.runtime.optimizer import lr_scheduler
-from tests.conftest import REPO, TINY, max_relative_difference, run_world
+from tests.conftest import TINY, layout_arg, max_relative_difference, run_world, \
+    write_tiny_recipe
 
-LAYOUTS = REPO / "tests" / "layouts"
 SCHEDULE = {"lr_decay_style": "cosine", "lr_warmup_iters": 2, "lr_decay_iters": 8,
             "min_lr": 3.0e-5}
 CLIP = 0.5
@@ -46,19 +45,9 @@ BF16_TOLERANCE = 5e-5
 """As ``test_mixed_precision``: ten times bf16's measured noise floor across layouts."""
 
 
-def layout_arg(name: str) -> str:
-    path = LAYOUTS / f"{name}.yaml"
-    return str(path) if path.exists() else name
-
-
 def write_recipe(path: Path, params_dtype: str, zero: bool) -> Path:
-    data = read_yaml_file(TINY, "recipe", RecipeError)
-    data["training"].update(params_dtype=params_dtype, lr_schedule=SCHEDULE,
-                            distributed_optimizer=zero)
-    data["training"]["optimizer"]["clip_grad"] = CLIP
-    recipe_from_dict(data)  # validates
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return write_tiny_recipe(path, optimizer={"clip_grad": CLIP}, params_dtype=params_dtype,
+                             lr_schedule=SCHEDULE, distributed_optimizer=zero)
 
 
 @pytest.fixture(scope="module")

@@ -19,15 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from elastor_mcore import checkpoint
 from elastor_mcore.config.recipe import RecipeError, recipe_from_dict
 from elastor_mcore.config.yaml_file import read_yaml_file
 from elastor_mcore.runtime.optimizer import StageOptimizer
-from tests.conftest import REPO, TINY, max_relative_difference, run_world
+from tests.conftest import TINY, layout_arg, max_relative_difference, run_world, \
+    write_tiny_recipe
 
-LAYOUTS = REPO / "tests" / "layouts"
 SCHEDULE = {"lr_decay_style": "cosine", "lr_warmup_iters": 2, "lr_decay_iters": 8,
             "min_lr": 3.0e-5}
 STEPS = 6
@@ -43,17 +42,8 @@ heterogeneous ones from the uniform by 6.1e-6 to 1.0e-5, bf16 from fp32 by 7.9e-
 moves the loss by ~1e-3, so a lost or doubled gradient contribution still fails."""
 
 
-def layout_arg(name: str) -> str:
-    path = LAYOUTS / f"{name}.yaml"
-    return str(path) if path.exists() else name
-
-
 def write_recipe(path: Path, params_dtype: str) -> Path:
-    data = read_yaml_file(TINY, "recipe", RecipeError)
-    data["training"].update(params_dtype=params_dtype, lr_schedule=SCHEDULE)
-    recipe_from_dict(data)  # validates
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return write_tiny_recipe(path, params_dtype=params_dtype, lr_schedule=SCHEDULE)
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY, assemble_weights, load_losses, \
+from tests.conftest import LAYOUTS, TINY, assemble_weights, layout_arg, load_losses, \
     max_relative_difference, run_world
 
-LAYOUTS = REPO / "tests" / "layouts"
 REFERENCE_STEPS = 20
 UNIFORM = ["dp2-tp2-pp2", "dp1-tp4-pp1", "dp1-tp1-pp4", "dp4-tp1-pp1"]
 UNIFORM_STEPS = 10
@@ -37,11 +36,6 @@ RESHARD_PAIRS = [  # (saved by, loaded under): uniform <-> hetero, hetero <-> he
     ("tp2-to-tp1", "dp2-tp2-pp2"),
 ]
 RESUME = ("unequal-micro-batches", "three-pipelines-uneven", 10)
-
-
-def layout_arg(name: str) -> str:
-    path = LAYOUTS / f"{name}.yaml"
-    return str(path) if path.exists() else name
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ from elastor_mcore.geometry import Box, Cell, boundaries
 from elastor_mcore.parallel.groups import GroupCache
 from elastor_mcore.runtime.grad_sync import GroupReduction, Refinement, grad_buffer
 from elastor_mcore.runtime.optimizer import (
-    STATE_BYTES_PER_ELEMENT, add_main_grad, adamw, lr_scheduler, state_nbytes)
+    STATE_BYTES_PER_ELEMENT, AdamWState, add_main_grad, adamw, lr_scheduler)
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ class _Owned:
         return self.bucket.cuts[self.index], self.bucket.cuts[self.index + 1]
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(AdamWState):
     """A rank's ZeRO-1 AdamW: its gradient reduction, norm and clipping too (it plays
     ``GradientSynchronizer``'s part in the step), and the lr schedule."""
 
@@ -382,22 +382,6 @@ class DistributedOptimizer:
         return [LocalShard(f.cell.key, shapes[f.cell.key], f.box.offset, m)
                 for b in self._buckets for f, m in zip(b.fragments, b.mains)]
 
-    def state_nbytes(self) -> int:
-        """Bytes of fp32 main parameters and moments this rank holds."""
-        return state_nbytes(self.adamw)
-
     def expected_state_nbytes(self) -> float:
         """The formula: 12 bytes per parameter divided by its replica count."""
         return planned_state_bytes(self.plan.buckets, dist.get_rank())[1]
-
-    @property
-    def state(self):
-        return self.adamw.state
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.adamw.param_groups
-
-    @property
-    def lr(self) -> float:
-        return self.adamw.param_groups[0]["lr"]

@@ -91,7 +91,33 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-class StageOptimizer:
+class AdamWState:
+    """What checkpoints, the lr schedule and ``--report-memory`` read of an optimizer that
+    runs one ``torch.optim.AdamW`` (``self.adamw``) over the fp32 tensors it updates."""
+
+    adamw: torch.optim.AdamW
+
+    @property
+    def state(self):
+        """AdamW's per-tensor state, keyed by main parameter."""
+        return self.adamw.state
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.adamw.param_groups
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return self.adamw.param_groups[0]["lr"]
+
+    def state_nbytes(self) -> int:
+        """Bytes of fp32 main parameters (in fp32 runs, the weights themselves) and
+        moments this rank holds."""
+        return state_nbytes(self.adamw)
+
+
+class StageOptimizer(AdamWState):
     """One rank's AdamW over fp32 main parameters, with its lr schedule."""
 
     def __init__(self, model: torch.nn.Module, recipe: Recipe) -> None:
@@ -117,28 +143,9 @@ class StageOptimizer:
         """The fp32 tensor AdamW updates for ``param`` (``param`` itself in fp32 runs)."""
         return self._main[param]
 
-    @property
-    def state(self):
-        """AdamW's per-tensor state, keyed by main parameter."""
-        return self.adamw.state
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.adamw.param_groups
-
-    def state_nbytes(self) -> int:
-        """Bytes of fp32 main parameters (in fp32 runs, the weights themselves) and
-        moments this rank holds."""
-        return state_nbytes(self.adamw)
-
     def expected_state_nbytes(self) -> float:
         """The formula: 12 bytes (fp32 main + two moments) per local parameter."""
         return float(STATE_BYTES_PER_ELEMENT * sum(p.numel() for p in self.params))
-
-    @property
-    def lr(self) -> float:
-        """The learning rate of the next step."""
-        return self.adamw.param_groups[0]["lr"]
 
     def zero_grad(self) -> None:
         if not self.mixed:
