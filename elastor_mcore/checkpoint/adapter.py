@@ -57,8 +57,11 @@ def load_sharded_state_dict(sharded_state_dict: dict, path: str | os.PathLike, *
         LocalNonpersistentObject, ShardedBase, ShardedTensorFactory, apply_factories,
         apply_factory_merges)
 
+    # Lists as {index: value}, as mcore's load_preprocess: a list whose factories sit
+    # in some items only (an optimizer's param groups) keeps their positions.
     factories, _ = extract_matching_values(
-        sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory))
+        sharded_state_dict, lambda x: isinstance(x, ShardedTensorFactory),
+        return_lists_as_dicts=True)
     apply_factories(sharded_state_dict)
     shards, objects = _collect(sharded_state_dict)
     manifest = load(path, shards, group)
