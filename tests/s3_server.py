@@ -12,6 +12,7 @@ on moto's request authentication, so wrong credentials fail as on AWS.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 COUNTERS_PATH = "/_elastor/counters"
 
@@ -142,6 +144,24 @@ class S3Server:
         self.process.kill()
         self.process.wait(timeout=30)
         self.process.stdout.close()
+
+
+@contextlib.contextmanager
+def s3_environment(bucket: str, repo: Path) -> Iterator[S3Server]:
+    """A server with ``bucket``, its endpoint and an IAM user's keys in this process's
+    environment (and so in every process started meanwhile), restored on exit."""
+    server = S3Server.start(bucket, repo)
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    try:
+        yield server
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Recovery end to end, on CPU slots: ``elastor launch`` through a kill and a hang
 (4 -> 3 -> 2 slots) resumes each time from the last checkpoint before the failure and
-ends with the weights and losses of an uninterrupted run; a
-failure that leaves too few slots gives up with a clear message and keeps the last
-checkpoint. One supervised run serves the recovery tests (worlds cost seconds each);
-it saves synchronously, so which step each relaunch resumes from is determined (an
-asynchronous save may still be in flight when a rank fails).
+ends with the weights and losses of an uninterrupted run; on an ``s3://`` checkpoint
+root, a relaunch resumes from S3 and a failure that leaves too few slots gives up with
+a clear message and keeps the last checkpoint. One supervised run serves the recovery
+tests (worlds cost seconds each); it saves synchronously, so which step each relaunch
+resumes from is determined (an asynchronous save may still be in flight when a rank
+fails).
 """
 
 import json
@@ -16,8 +17,10 @@ import pytest
 import yaml
 
 from elastor_mcore import checkpoint
+from elastor_mcore.checkpoint.location import ObjectPath
 from elastor_mcore.elastic.report import read_metrics
 from tests.conftest import REPO, TINY, run_world
+from tests.s3_server import s3_environment
 
 STEPS = 8
 SAVE_INTERVAL = 2
@@ -25,6 +28,7 @@ TOLERANCE = 1e-5
 KILL = {"step": 4, "slot": 1, "kind": "kill"}
 HANG = {"step": 7, "slot": 3, "kind": "hang"}
 CPU_SLOTS = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
+S3_BUCKET = "elastor-launch"
 
 
 def last_save_before(step: int) -> int | None:
@@ -128,26 +132,46 @@ def test_final_weights_equal_the_uninterrupted_run(recovered, reference):
         assert diff <= TOLERANCE, f"{key}: relative difference {diff:.2e}"
 
 
-@pytest.mark.timeout(600)
-def test_too_few_survivors_give_up_and_keep_the_last_checkpoint(tmp_path):
-    """A profile whose slots are so small that the tiny model needs both of them."""
+@pytest.mark.timeout(900)
+def test_relaunch_resumes_from_s3_until_too_few_survivors_give_up(tmp_path, reference):
+    """The checkpoint root is an ``s3://`` URL on a real S3 server (moto, 127.0.0.1): the
+    lease, every save, the relaunch's latest committed step, its load and the pruning
+    go there. Slots so small that the tiny model needs two of them: 3 slots, a kill,
+    2 slots resume from S3, a kill, and 1 slot cannot hold the model: the run gives up
+    and keeps the last checkpoint. (The recovery tests above keep a local root.)"""
     profile = yaml.safe_load(CPU_SLOTS.read_text())
     profile.update(memory_per_gpu_gib=0.005, memory_reserved_gib=0.0)
     hardware = write_yaml(tmp_path / "small-slots.yaml", profile)
-    plan = write_yaml(tmp_path / "failures.yaml", [{"step": 3, "slot": 1, "kind": "kill"}])
-    run_dir = tmp_path / "run"
-    # Synchronous saves: step 2 is committed before step 3 begins.
-    result = elastor_launch(
-        ["--recipe", str(TINY), "--hardware", hardware, "--slots", "2", "--steps", "4",
-         "--run-dir", str(run_dir), "--save-interval", "2", "--no-async-save",
-         "--failure-plan", plan, "--devices", "cpu"])
-    assert result.returncode == 1, result.stdout[-5000:] + result.stderr[-5000:]
-    assert ("gave up: the 1 surviving slots [0] cannot hold the model: tiny-llama does not "
-            "fit on 1 alive GPUs") in result.stdout
-    kept = checkpoint.open(run_dir / "checkpoints")
-    assert kept.manifest.step == 2
-    for info in kept.tensors():
-        assert kept.read(info.name).isfinite().all()
+    plan = write_yaml(tmp_path / "failures.yaml", [{"step": 3, "slot": 1, "kind": "kill"},
+                                                    {"step": 5, "slot": 2, "kind": "kill"}])
+    run_dir, root = tmp_path / "run", ObjectPath(f"s3://{S3_BUCKET}/launch")
+    with s3_environment(S3_BUCKET, REPO):
+        # Synchronous saves: step 2 (4) is committed before step 3 (5) begins.
+        result = elastor_launch(
+            ["--recipe", str(TINY), "--hardware", hardware, "--slots", "3", "--steps", "8",
+             "--run-dir", str(run_dir), "--checkpoint-dir", str(root), "--save-interval",
+             "2", "--keep-checkpoints", "1", "--no-async-save", "--failure-plan", plan,
+             "--devices", "cpu"])
+        assert result.returncode == 1, result.stdout[-5000:] + result.stderr[-5000:]
+        print("\n".join(l for l in result.stdout.splitlines() if "step " not in l))
+        assert f"checkpoints: {root}" in result.stdout
+        assert ("gave up: the 1 surviving slots [0] cannot hold the model: tiny-llama does "
+                "not fit on 1 alive GPUs") in result.stdout
+        assert checkpoint.committed_steps(root) == [4]  # step 2 pruned (keep 1)
+        assert {p.name for p in root.iterdir()} == {"step_00000004", "latest"}  # no lease
+        kept = checkpoint.open(root)
+        assert kept.manifest.step == 4
+        for info in kept.tensors():
+            assert kept.read(info.name).isfinite().all()
     timeline = json.loads((run_dir / "timeline.json").read_text())
-    assert len(timeline["launches"]) == 1
-    assert timeline["recoveries"][0]["slots_after"] is None
+    launches = timeline["launches"]
+    assert [l["slots"] for l in launches] == [[0, 1, 2], [0, 2]]
+    assert [l["resumed_from"] for l in launches] == [None, 2]
+    assert timeline["recoveries"][0]["slots_after"] == 2
+    assert timeline["recoveries"][1]["slots_after"] is None
+    expected = {m["step"]: m["loss"] for m in read_metrics(reference / "metrics.jsonl")}
+    for launch, ran in zip(launches, (range(1, 3), range(3, 5)), strict=True):
+        metrics = read_metrics(f"{launch['dir']}/metrics.jsonl")
+        assert [m["step"] for m in metrics] == list(ran), launch["dir"]
+        for m in metrics:
+            assert abs(m["loss"] - expected[m["step"]]) / abs(expected[m["step"]]) <= TOLERANCE

@@ -47,6 +47,11 @@ def register(subparsers) -> None:
                              "node; default: one node on CPU, every visible GPU on CUDA)")
     parser.add_argument("--run-dir", required=True, metavar="DIR",
                         help="checkpoints, per-launch logs and timeline.json go here")
+    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                        help="checkpoint root instead of DIR/checkpoints: a directory or "
+                             "s3://BUCKET/PREFIX (endpoint and credentials from the AWS "
+                             "environment); every launch saves there and a relaunch "
+                             "resumes from its latest committed step")
     parser.add_argument("--max-restarts", type=int, default=3, metavar="N",
                         help="give up after N recoveries (default 3)")
     parser.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="S",
@@ -89,7 +94,8 @@ def build_config(args: argparse.Namespace) -> SupervisorConfig:
     failures = load_failure_plan(settings.failure_plan) if settings.failure_plan else ()
     return SupervisorConfig(
         settings=settings, recipe=recipe, hardware=hardware, slots=tuple(range(count)),
-        run_dir=Path(args.run_dir), failures=failures, max_restarts=args.max_restarts,
+        run_dir=Path(args.run_dir), checkpoint_root=args.checkpoint_dir, failures=failures,
+        max_restarts=args.max_restarts,
         hang=HangPolicy(startup_timeout_s=args.startup_timeout,
                         timeout_s=args.heartbeat_timeout),
         devices=kind, probe_timeout_s=args.probe_timeout, hardware_path=Path(args.hardware),
@@ -127,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         config = build_config(args)
         data = config.settings.data
         print(f"{prefix}: data: {data.describe()}", flush=True)
+        print(f"{prefix}: checkpoints: {config.checkpoint_dir}", flush=True)
         validate_data_config(data, config.recipe)  # fast, before the data pipeline's imports
         from elastor_mcore.data.source import prepare_data
         summary = prepare_data(data, config.recipe)  # once, before any rank starts

@@ -10,7 +10,9 @@ the layout, so the relaunched run continues the same loss curve.
 
 Run directory::
 
-    checkpoints/            committed steps (step_<N>/, latest)
+    checkpoints/            committed steps (step_<N>/, latest), unless the checkpoint
+                            root is elsewhere (``checkpoint_root``: a directory or an
+                            ``s3://BUCKET/PREFIX`` URL)
     hardware-profile.yaml   the profile measured for this run (``elastic.profiling``),
                             when the supervisor had to measure one
     launch<K>/              layout.yaml (torchrun ranks), plan.json (physical slots),
@@ -42,6 +44,7 @@ import psutil
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.elastic import probe, profiling
 from elastor_mcore.elastic.report import launch_step_s
 from elastor_mcore.config.failure_plan import Failure, validate
@@ -86,6 +89,10 @@ class SupervisorConfig:
     measure_profile: bool = False
     """With ``hardware_path``: measure a profile (once per run directory) when none was
     measured here for the recipe."""
+    checkpoint_root: str | None = None
+    """Where the launches save and resume: a directory or ``s3://BUCKET/PREFIX``
+    (endpoint and credentials from the AWS environment); None: ``run_dir/checkpoints``.
+    The lease, the relaunch's latest committed step and pruning all work on it."""
     use_all_slots: bool = False
     """Keep every alive slot busy (``planner.plan(use_all=True)``): for CPU slots that
     stand for GPUs, where the fastest layout on fewer cores than slots would leave
@@ -103,8 +110,10 @@ class SupervisorConfig:
         validate(self.failures, self.slots, steps, self.settings.failure_plan or "failure plan")
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+    def checkpoint_dir(self) -> Path | ObjectPath:
+        if self.checkpoint_root is None:
+            return self.run_dir / "checkpoints"
+        return as_path(self.checkpoint_root)
 
 
 @dataclass
@@ -250,8 +259,7 @@ class Supervisor:
             slots=list(chosen.layout.ranks), layout=chosen.layout.to_dict(),
             describe=chosen.layout.describe(), predicted_step_s=chosen.step_s,
             probe_s=probe_s, plan_s=plan_s, launched_at=0.0,
-            resumed_from=latest_step(cfg.checkpoint_dir) if cfg.checkpoint_dir.exists()
-            else None)
+            resumed_from=latest_step(cfg.checkpoint_dir))
         self.launches.append(record)
         shutil.rmtree(record.dir, ignore_errors=True)  # a rerun in the same run directory
         Path(record.dir).mkdir(parents=True)
