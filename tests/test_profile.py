@@ -20,7 +20,7 @@ from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.elastic.profiling import CACHED_NAME, choose_profile
 from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.planner import CostModel, layout_cost, load_hardware, plan
-from elastor_mcore.planner.calibration import fit_stage_table
+from elastor_mcore.planner.calibration import fit_stage_table, link_profile
 from elastor_mcore.planner.hardware import RecipeMeasurements, StageTable, recipe_shape
 from tests.conftest import REPO, TINY
 
@@ -77,11 +77,13 @@ def table(layer: float, stage: float, embedding: float, output: float) -> StageT
     return StageTable(layer=layer, stage=stage, embedding=embedding, output=output)
 
 
-def synthetic(fb: dict[int, StageTable], concurrent_slots: float | None = None):
+def synthetic(fb: dict[int, StageTable], concurrent_slots: float | None = None,
+              cpu: dict[int, StageTable] | None = None, optimizer_ns: float | None = None):
     """cpu-slots with hand-made tables: the cost model's arithmetic is checked exactly."""
     zero = {tp: table(0.01, 0, 0, 0) for tp in fb}
     measurements = RecipeMeasurements(shape=recipe_shape(RECIPE), forward_backward_ms=fb,
-                                      activation_mib=zero, state_mib=zero)
+                                      activation_mib=zero, state_mib=zero, cpu_ms=cpu or {},
+                                      optimizer_ns_per_param=optimizer_ns)
     return replace(load_hardware(CPU_SLOTS), measured={RECIPE.name: measurements},
                    p2p_latency_us=100.0, p2p_bandwidth_gb_s=1.0,
                    concurrent_slots=concurrent_slots)
@@ -109,9 +111,42 @@ def test_prediction_follows_the_tables():
     slower = synthetic({**fb, 1: replace(fb[1], layer=3.0)})
     delta = layout_cost(CostModel(RECIPE, slower), HETERO, 4).step_s - step.step_s
     assert delta == pytest.approx(6 * 8 * 1e-3, rel=1e-9)
-    # four busy slots sharing two cores run at half speed
+    # on two shared cores (no CPU table: every rank busy for its stage's time) the step
+    # takes its CPU work over the cores, which is longer than its critical path here
     shared = layout_cost(CostModel(RECIPE, synthetic(fb, concurrent_slots=2.0)), HETERO, 4)
-    assert shared.contention == 2.0 and shared.step_s == pytest.approx(2 * expected)
+    cpu = 10 * (2 * first + last) + 6 * single + 4 * grad
+    assert shared.contention == pytest.approx(cpu / (2 * expected)) and shared.contention > 1
+    assert shared.step_s == pytest.approx(cpu / 2, rel=1e-12)
+
+
+def test_cpu_work_and_optimizer_step_are_charged_as_measured():
+    """A TP-2 group that waits in its collectives (CPU table below tp x wall) leaves
+    the shared cores to other stages; the optimizer step (ns per local parameter,
+    split over the pipelines with ZeRO-1) is on the critical path and in the CPU work."""
+    fb = {1: table(2.0, 0.5, 1.0, 3.0), 2: table(1.5, 0.7, 1.2, 2.0)}
+    cpu = {1: fb[1], 2: table(1.6, 0.8, 1.0, 2.2)}
+    hardware = synthetic(fb, concurrent_slots=1.5, cpu=cpu, optimizer_ns=10.0)
+    cost = CostModel(RECIPE, hardware)
+    p2p = cost.p2p_s(True)
+    first = (0.7 + 5 * 1.5 + 1.2) / 1e3 + p2p
+    last = (0.5 + 3 * 2.0 + 3.0) / 1e3 + p2p
+    single = (0.5 + 8 * 2.0 + 1.0 + 3.0) / 1e3
+    grad = cost.grad_sync_s(2, 1, True)
+    params = {(tp, layers, pos, n): cost.stage_memory(tp, layers, pos, n).weights / 4
+              for tp, layers, pos, n in ((2, 5, 0, 2), (1, 3, 1, 2), (1, 8, 0, 1))}
+    assert all(v > 0 for v in params.values())  # fp32: 4 bytes per parameter
+    for zero1, replicas in ((False, 1), (True, 2)):
+        recipe = replace(RECIPE, training=replace(RECIPE.training,
+                                                  distributed_optimizer=zero1))
+        step = layout_cost(CostModel(recipe, hardware), HETERO, 4)
+        opt = {k: v * 10e-9 / replicas for k, v in params.items()}
+        critical = max(11 * max(first, last), 6 * single) + grad + max(opt.values())
+        work = (10 * ((0.8 + 5 * 1.6 + 1.0) + (0.5 + 3 * 2.0 + 3.0))
+                + 6 * (0.5 + 8 * 2.0 + 1.0 + 3.0)) / 1e3 \
+            + 2 * opt[(2, 5, 0, 2)] + opt[(1, 3, 1, 2)] + opt[(1, 8, 0, 1)] + 4 * grad
+        assert step.optimizer_s == pytest.approx(max(opt.values()), rel=1e-12)
+        assert step.step_s == pytest.approx(max(critical, work / 1.5), rel=1e-12)
+        assert step.contention > 1  # 1.5 cores: the CPU work bounds this step
 
 
 def test_shared_cores_make_fewer_slots_faster_unless_all_are_kept_busy():
@@ -191,3 +226,46 @@ def test_bad_input_is_refused_before_measuring(args, message, tmp_path, capsys):
             "--devices", "cpu", *args]
     assert cli.main(argv) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "p.yaml").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(180)
+def test_links_across_nodes_under_a_two_agent_launch(tmp_path):
+    """A real multi-node launch on one host: two torchrun agents (2 ranks and 1 rank)
+    meet in a c10d rendezvous; the profile tells the pairs apart by the launch's node
+    ranks alone and measures both kinds of link."""
+    raw_path = tmp_path / "raw.json"
+    port, env = free_port(), dict(os.environ, PYTHONPATH=str(REPO))
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+         str(node), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "h21-links",
+         "-m", "elastor_mcore.runtime.profile", "--recipe", str(TINY), "--tp-sizes", "1",
+         "--repeats", "3", "--links-only", "--out", str(raw_path)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node, nproc in ((0, 2), (1, 1))]
+    outputs = [agent.communicate(timeout=150)[0] for agent in agents]
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    raw = json.loads(raw_path.read_text())
+    assert sorted(raw["nodes"].count(n) for n in set(raw["nodes"])) == [1, 2]
+    for kind in ("p2p", "p2p_inter_node"):
+        assert [p["bytes"] for p in raw[kind]] == [32 * 64 * 4, 4 * 2**20], raw
+        assert all(0 < p["ms"] < float("inf") for p in raw[kind]), raw
+    assert [(p["ranks"], p["bytes"]) for p in raw["allreduce"]] == [(2, 8192), (2, 4 * 2**20)]
+    hardware = link_profile(load_hardware(CPU_SLOTS), raw)
+    for name in ("p2p_latency_us", "p2p_bandwidth_gb_s", "inter_node_latency_us",
+                 "inter_node_bandwidth_gb_s"):
+        assert 0 < getattr(hardware, name) < float("inf"), name
+    # the cost model charges stage boundaries of a layout across nodes at that link
+    cost = CostModel(RECIPE, hardware)
+    message = 32 * 64 * 4
+    assert cost.p2p_s(False) == pytest.approx(
+        hardware.inter_node_latency_us * 1e-6 + message / (hardware.inter_node_bandwidth_gb_s
+                                                            * 1e9))
+    assert cost.p2p_s(True) == pytest.approx(
+        hardware.p2p_latency_us * 1e-6 + message / (hardware.p2p_bandwidth_gb_s * 1e9))

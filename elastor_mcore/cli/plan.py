@@ -82,10 +82,10 @@ def diagram(result: Plan, full_step_s: float, tokens_per_step: int, title: str) 
         p = q + 1
     step = result.cost
     parts = (f"slowest pipeline {max(pc.time_s for pc in step.pipelines):.3f} s + gradient "
-             f"sync {step.grad_sync_s:.3f} s")
+             f"sync {step.grad_sync_s:.3f} s + optimizer {step.optimizer_s:.3f} s")
     if step.contention > 1:
-        parts = (f"({parts}) x {step.contention:.2f}: {result.layout.num_gpus} busy slots "
-                 f"share the cores")
+        parts = (f"({parts}) x {step.contention:.2f}: the {result.layout.num_gpus} slots' CPU "
+                 f"work exceeds what the shared cores do in that time")
     lines += [
         "",
         f"idle GPUs: {_ranges(result.idle_gpus) or 'none'}",

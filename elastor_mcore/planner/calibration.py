@@ -10,12 +10,17 @@ Pure arithmetic, so it can be checked by hand:
   ``embedding = single - last``, ``output = single - first``,
   ``stage = first + last - single`` (intercepts; negative noise is clamped to 0).
 * **Sharing the cores.** ``concurrent_slots = slots x alone / together``: a single-layer
-  step on one slot alone, then on every slot at once. Stage times were measured with
-  their TP group's ``tp`` slots busy, so they are divided by ``max(1, tp /
-  concurrent_slots)`` to stand for a slot with a core of its own.
-* **Links.** P2P: one-way time at two message sizes gives latency and bandwidth.
-  All-reduce: least squares of the ring model ``2(d-1)/d x bytes / bandwidth +
-  2(d-1) x latency`` over every group size and message size.
+  step on one slot alone, then on every slot at once (the cores the slots share, in
+  slots' worth). A stage's TP group kept ``cpu / wall`` slots busy while it was timed
+  (its CPU time over its wall time), so its wall times are divided by ``max(1, cpu /
+  (wall x concurrent_slots))`` to stand for cores of its own; its CPU times are the
+  ``cpu_ms`` table, fitted like the others.
+* **Optimizer.** The loop's optimizer step, timed on every measured stage, against the
+  stage's local parameters: a least-squares slope through the origin (ns/parameter).
+* **Links.** P2P: one-way time at two message sizes gives latency and bandwidth, for
+  a pair of ranks on one node and, under a multi-node launch, a pair on two nodes
+  (the inter-node link). All-reduce: least squares of the ring model ``2(d-1)/d x
+  bytes / bandwidth + 2(d-1) x latency`` over every group size and message size.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from elastor_mcore.planner.hardware import (HardwareError, HardwareProfile, Reci
 
 MIB = 2**20
 QUANTITIES = {"forward_backward_ms": ("forward_backward_ms", 1.0),
+              "cpu_ms": ("cpu_ms", 1.0),
               "activation_mib": ("activation_bytes", 1 / MIB),
               "state_mib": ("state_bytes", 1 / MIB)}
 """Table name -> (raw record field, scale)."""
@@ -95,20 +101,29 @@ def fit_allreduce(points: list[dict[str, float]]) -> tuple[float, float]:
     return latency * 1e6, 1 / inv_bw / 1e9
 
 
+def fit_optimizer(stages: list[dict[str, Any]]) -> float:
+    """ns per local parameter of the optimizer step: slope through the origin."""
+    num = sum(r["params"] * r["optimizer_ms"] * 1e6 for r in stages)
+    den = sum(r["params"] ** 2 for r in stages)
+    return max(0.0, num / den) if den else 0.0
+
+
 def recipe_measurements(raw: dict[str, Any], recipe: Recipe, slots: float,
                         measured_on: dict[str, Any]) -> RecipeMeasurements:
-    """The stage tables of ``raw``; times scaled to a slot with a core of its own."""
+    """The stage tables of ``raw``; wall times scaled to cores of the stage's own."""
     grouped: dict[int, dict[str, dict[str, list[tuple[int, float]]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(list)))
     for record in raw["stages"]:
+        busy = record["cpu_ms"] / record["forward_backward_ms"]
         for table, (key, scale) in QUANTITIES.items():
             value = record[key] * scale
             if table == "forward_backward_ms":
-                value /= max(1.0, record["tp"] / slots)
+                value /= max(1.0, busy / slots)
             grouped[record["tp"]][table][record["role"]].append((record["layers"], value))
     tables = {table: {tp: fit_stage_table(grouped[tp][table]) for tp in sorted(grouped)}
               for table in QUANTITIES}
-    return RecipeMeasurements(shape=recipe_shape(recipe), measured_on=measured_on, **tables)
+    return RecipeMeasurements(shape=recipe_shape(recipe), measured_on=measured_on,
+                              optimizer_ns_per_param=fit_optimizer(raw["stages"]), **tables)
 
 
 def measured_step_s(times: list[float]) -> float | None:
@@ -118,17 +133,27 @@ def measured_step_s(times: list[float]) -> float | None:
     return statistics.median(kept) if kept else None
 
 
+def link_profile(base: HardwareProfile, raw: dict[str, Any]) -> HardwareProfile:
+    """``base`` with the links ``raw`` measured: all-reduce inside a node, P2P inside a
+    node and (when the launch spanned nodes) between nodes; the rest is kept."""
+    links: dict[str, float] = {}
+    if raw["allreduce"]:
+        links["intra_node_latency_us"], links["intra_node_bandwidth_gb_s"] = \
+            fit_allreduce(raw["allreduce"])
+    if raw["p2p"]:
+        links["p2p_latency_us"], links["p2p_bandwidth_gb_s"] = fit_p2p(raw["p2p"])
+    if raw.get("p2p_inter_node"):
+        links["inter_node_latency_us"], links["inter_node_bandwidth_gb_s"] = \
+            fit_p2p(raw["p2p_inter_node"])
+    return replace(base, **links)
+
+
 def measured_profile(base: HardwareProfile, raw: dict[str, Any], recipe: Recipe,
                      measured_on: dict[str, Any]) -> HardwareProfile:
     """``base`` with what ``raw`` measured: the recipe's tables (other recipes' tables
-    are kept), the intra-node links, P2P and, on CPU slots, how they share the cores."""
+    are kept), the links and, on CPU slots, how they share the cores."""
     slots = concurrent_slots(raw["parallelism"]) if measured_on.get("device") == "cpu" \
         else None
     tables = recipe_measurements(raw, recipe, slots or float("inf"), measured_on)
-    ar_latency, ar_bandwidth = fit_allreduce(raw["allreduce"]) if raw["allreduce"] \
-        else (base.intra_node_latency_us, base.intra_node_bandwidth_gb_s)
-    p2p_latency, p2p_bandwidth = fit_p2p(raw["p2p"])
-    return replace(base, intra_node_latency_us=ar_latency,
-                   intra_node_bandwidth_gb_s=ar_bandwidth, p2p_latency_us=p2p_latency,
-                   p2p_bandwidth_gb_s=p2p_bandwidth, concurrent_slots=slots,
+    return replace(link_profile(base, raw), concurrent_slots=slots,
                    measured={**base.measured, recipe.name: tables})

@@ -19,11 +19,19 @@ only the measured TP degrees are planned with, and measured P2P latency and band
 replace the intra-node link for P2P.
 
 Per pipeline, 1F1B with its bubble: ``(micro_batches + stages - 1) x slowest stage``.
-Per step: slowest pipeline + the cross-pipeline gradient all-reduce (ring over the
-pipelines; each GPU's fp32 gradient shard approximated by its pipeline's average
-``parameters / GPUs``, so the term depends on the pipelines' sizes, not on the split),
-times the contention of CPU slots that share cores (``max(1, gpus /
-concurrent_slots)``, 1 on GPUs).
+Per step, the critical path: slowest pipeline + the cross-pipeline gradient all-reduce
+(ring over the pipelines; each GPU's fp32 gradient shard approximated by its
+pipeline's average ``parameters / GPUs``, so the term depends on the pipelines' sizes,
+not on the split) + the slowest stage's optimizer step (measured ns per local
+parameter; with ZeRO-1 each rank steps ``1 / pipelines`` of its stage's parameters).
+
+CPU slots share cores (``concurrent_slots`` of them compute at full speed at once), so
+a step also takes at least its CPU work over the cores: every stage's CPU time per
+micro-batch (its TP group's, measured: ranks waiting in a collective or idle in the
+1F1B bubble leave their core to others) x its micro-batches, every slot's gradient
+all-reduce and optimizer step. The step time is the critical path x ``contention =
+max(1, CPU work / (concurrent_slots x critical path))``: the larger of the two bounds
+(1 on GPUs, which compute on their own).
 
 P2P and gradient traffic use intra-node links when every used GPU sits on one node,
 inter-node links otherwise: the cost of a layout then depends only on each stage's TP
@@ -113,13 +121,16 @@ class PipelineCost:
 class StepCost:
     pipelines: tuple[PipelineCost, ...]
     grad_sync_s: float
+    optimizer_s: float = 0.0
+    """The slowest stage's optimizer step."""
     contention: float = 1.0
-    """How much slower every slot runs because the layout's slots share cores
-    (``CostModel.contention``; 1 on GPUs)."""
+    """How much longer than its critical path the step takes because its slots share
+    cores (``CostModel.contention``; 1 on GPUs)."""
 
     @property
     def step_s(self) -> float:
-        return (max(p.time_s for p in self.pipelines) + self.grad_sync_s) * self.contention
+        return (max(p.time_s for p in self.pipelines) + self.grad_sync_s
+                + self.optimizer_s) * self.contention
 
 
 class CostModel:
@@ -200,10 +211,51 @@ class CostModel:
     def layer_tp_comm_s(self, tp: int) -> float:
         return self._collective_s(tp, self._message_bytes, TP_COLLECTIVES_PER_LAYER)
 
-    def contention(self, gpus: int) -> float:
-        """Slowdown of ``gpus`` busy CPU slots sharing the profile's cores (1 on GPUs)."""
+    def contention(self, critical_s: float, cpu_s: float) -> float:
+        """How much longer than ``critical_s`` a step takes whose slots need ``cpu_s`` of
+        CPU on the profile's shared cores (1 on GPUs)."""
         slots = self.hardware.concurrent_slots
-        return max(1.0, gpus / slots) if slots else 1.0
+        if not slots or critical_s <= 0:
+            return 1.0
+        return max(1.0, cpu_s / (slots * critical_s))
+
+    def stage_cpu_s(self, tp: int, layers: int, position: int, num_stages: int) -> float:
+        """CPU seconds a stage's TP group spends per micro-batch (measured; without a
+        CPU table, every rank busy for the stage's time)."""
+        first, last = position == 0, position == num_stages - 1
+        if self.tables and tp in self.tables.cpu_ms:
+            return self.tables.cpu_ms[tp].total(layers, first, last) / 1000
+        return tp * self.stage_cost(tp, layers, position, num_stages, True).time_s
+
+    def stage_optimizer_s(self, tp: int, layers: int, position: int, num_stages: int,
+                          replicas: int) -> float:
+        """One rank's optimizer step: its local parameters (split over ``replicas``
+        with ZeRO-1) at the measured ns per parameter (0 when not measured)."""
+        per_param = self.tables.optimizer_ns_per_param if self.tables else None
+        if not per_param:
+            return 0.0
+        first, last = position == 0, position == num_stages - 1
+        params = self._stage_params(tp, layers, first, last)
+        if self.recipe.training.distributed_optimizer:
+            params /= replicas
+        return params * per_param * 1e-9
+
+    def pipelines_work(self, pipelines: list[tuple[int, list[tuple[int, int]]]],
+                       grad_sync_s: float) -> tuple[float, float]:
+        """(slowest optimizer step, CPU seconds of the whole step) of ``[(micro_batches,
+        [(tp, layers), ...]), ...]`` whose gradient all-reduce takes ``grad_sync_s``."""
+        replicas = len(pipelines)
+        slowest = cpu = 0.0
+        for micro_batches, stages in pipelines:
+            for j, (tp, layers) in enumerate(stages):
+                opt = self._memoised(("opt", tp, layers, j, len(stages), replicas),
+                                     lambda: self.stage_optimizer_s(tp, layers, j,
+                                                                    len(stages), replicas))
+                busy = self._memoised(("cpu", tp, layers, j, len(stages)),
+                                      lambda: self.stage_cpu_s(tp, layers, j, len(stages)))
+                slowest = max(slowest, opt)
+                cpu += micro_batches * busy + tp * (opt + grad_sync_s)
+        return slowest, cpu
 
     @property
     def measured_tp_sizes(self) -> tuple[int, ...] | None:
@@ -289,15 +341,21 @@ class CostModel:
         return (self._sharded_layer_params(tp) * self._state_bytes_per_param
                 + in_flight * self._layer_activation_bytes(tp))
 
-    def stage_memory(self, tp: int, layers: int, position: int,
-                     num_stages: int) -> MemoryBreakdown:
-        first, last = position == 0, position == num_stages - 1
+    def _stage_params(self, tp: int, layers: int, first: bool, last: bool) -> float:
+        """Parameters of one rank of a stage."""
         params = layers * self._sharded_layer_params(tp)
-        activations = (num_stages - position) * layers * self._layer_activation_bytes(tp)
         if first:
             params += self._v * self._h / tp
         if last:
             params += self._v * self._h / tp + self._h
+        return params
+
+    def stage_memory(self, tp: int, layers: int, position: int,
+                     num_stages: int) -> MemoryBreakdown:
+        first, last = position == 0, position == num_stages - 1
+        params = self._stage_params(tp, layers, first, last)
+        activations = (num_stages - position) * layers * self._layer_activation_bytes(tp)
+        if last:
             activations += self._b * self._s * self._v / tp * LOGIT_BYTES
         master = self._state_bytes_per_param - self._param_bytes - GRAD_BYTES - ADAM_MOMENT_BYTES
         return MemoryBreakdown(
@@ -350,7 +408,8 @@ class CostModel:
                 for j, (tp, layers) in enumerate(stages)))
             for mb, stages in pipelines)
         min_gpus = min(sum(tp for tp, _ in stages) for _, stages in pipelines)
-        gpus = sum(tp for _, stages in pipelines for tp, _ in stages)
-        return StepCost(pipelines=costs,
-                        grad_sync_s=self.grad_sync_s(len(pipelines), min_gpus, intra_node),
-                        contention=self.contention(gpus))
+        grad = self.grad_sync_s(len(pipelines), min_gpus, intra_node)
+        optimizer, cpu = self.pipelines_work(pipelines, grad)
+        critical = max(p.time_s for p in costs) + grad + optimizer
+        return StepCost(pipelines=costs, grad_sync_s=grad, optimizer_s=optimizer,
+                        contention=self.contention(critical, cpu))

@@ -59,6 +59,13 @@ class RecipeMeasurements:
     """Bytes autograd keeps for backward per micro-batch (MiB), by TP degree."""
     state_mib: dict[int, StageTable]
     """Parameters, gradients and optimizer state per GPU (MiB), by TP degree."""
+    cpu_ms: dict[int, StageTable] = field(default_factory=dict)
+    """CPU time of forward + backward of one micro-batch, summed over the stage's TP
+    group, by TP degree: what the stage takes from cores other slots share (a rank
+    waiting in a collective does not compute). Absent: the wall time of every rank."""
+    optimizer_ns_per_param: float | None = None
+    """Wall (= CPU) time of the loop's optimizer step per local parameter, in the
+    recipe's dtype. Absent: the step's optimizer is not charged."""
     measured_on: dict[str, Any] = field(default_factory=dict)
     """Host, date, device, torch and megatron-core versions, recipe file, repeats."""
 
@@ -172,7 +179,9 @@ class HardwareProfile:
             if f.name != "name" and value is not None and value != {}:
                 out[f.name] = value
         if self.measured:
-            out["measured"] = {name: asdict(m) for name, m in self.measured.items()}
+            out["measured"] = {name: {k: v for k, v in asdict(m).items()
+                                      if v is not None and v != {}}
+                               for name, m in self.measured.items()}
         return out
 
     def efficiency(self, tp: int) -> float:
@@ -218,6 +227,7 @@ def hardware_from_dict(data: Any, name: str = "hardware") -> HardwareProfile:
 
 
 TABLES = ("forward_backward_ms", "activation_mib", "state_mib")
+OPTIONAL_TABLES = ("cpu_ms",)
 
 
 def _measurements(data: Any, where: str) -> RecipeMeasurements:
@@ -229,17 +239,21 @@ def _measurements(data: Any, where: str) -> RecipeMeasurements:
         raise HardwareError(f"{where}: missing {missing}, unknown {unknown}; measure again "
                             f"with elastor profile")
     tables = {}
-    for key in TABLES:
+    for key in TABLES + tuple(k for k in OPTIONAL_TABLES if k in data):
         try:
             tables[key] = {int(tp): StageTable(**parts) for tp, parts in data[key].items()}
         except (AttributeError, TypeError, ValueError, HardwareError) as exc:
             raise HardwareError(f"{where}.{key}: {exc}; each TP degree maps to "
                                 f"{{layer, stage, embedding, output}}") from None
-    if set(tables["forward_backward_ms"]) != set(tables["activation_mib"]) \
-            or set(tables["forward_backward_ms"]) != set(tables["state_mib"]):
+    if any(set(t) != set(tables["forward_backward_ms"]) for t in tables.values()):
         raise HardwareError(f"{where}: the tables cover different TP degrees")
+    per_param = data.get("optimizer_ns_per_param")
+    if per_param is not None and (isinstance(per_param, bool)
+                                  or not isinstance(per_param, (int, float)) or per_param < 0):
+        raise HardwareError(f"{where}.optimizer_ns_per_param must be a number >= 0 or absent, "
+                            f"got {per_param!r}")
     return RecipeMeasurements(shape=dict(data["shape"]), measured_on=dict(
-        data.get("measured_on") or {}), **tables)
+        data.get("measured_on") or {}), optimizer_ns_per_param=per_param, **tables)
 
 
 def write_hardware(profile: HardwareProfile, path: str | Path, header: str = "") -> None:

@@ -109,13 +109,14 @@ class Candidate:
     grad_sync_s: float
     partitions: tuple[tuple[int, tuple[int, ...]], ...]
     """(node, TP sizes of its groups) for the nodes whose groups this layout may use."""
+    optimizer_s: float = 0.0
     contention: float = 1.0
-    """``CostModel.contention`` of its GPU count (>= 1, so the bounds below, computed
-    without it, stay lower bounds)."""
+    """``CostModel.contention`` of its CPU work (>= 1, and the optimizer step >= 0, so
+    the bounds below, computed without them, stay lower bounds)."""
 
     @property
     def step_s(self) -> float:
-        return (self.pipeline_s + self.grad_sync_s) * self.contention
+        return (self.pipeline_s + self.grad_sync_s + self.optimizer_s) * self.contention
 
     @property
     def gpus(self) -> int:
@@ -330,9 +331,12 @@ class PoolSearch:
         pipelines = tuple((s, m) for (s, _), ms in zip(shapes, micro) for m in ms)
         grad = self.cost.grad_sync_s(len(pipelines), min(s.gpus for s, _ in pipelines),
                                      self.book.intra_node)
+        optimizer, cpu = self.cost.pipelines_work(
+            [(m, list(zip(s.tps, s.layers))) for s, m in pipelines], grad)
         return Candidate(pipelines=pipelines, intra_node=self.book.intra_node,
                          pipeline_s=pipeline_s, grad_sync_s=grad, partitions=partitions,
-                         contention=self.cost.contention(sum(s.gpus for s, _ in pipelines)))
+                         optimizer_s=optimizer,
+                         contention=self.cost.contention(pipeline_s + grad + optimizer, cpu))
 
     def _enumerate(self, pool: dict[int, int], fixed: list[tuple[PipelineShape, int]],
                    max_stages: int, partitions: tuple[tuple[int, tuple[int, ...]], ...],

@@ -11,9 +11,12 @@ cores to itself):
   of two-stage pipelines split 1|3 and 3|1. Per-layer time is the slope over the
   layer counts; the embedding, the output layer and a stage's own overhead are the
   intercepts (``planner.calibration`` solves for them);
-* per stage, the bytes autograd saves for backward per micro-batch and the bytes of
-  parameters, gradients and optimizer state;
-* P2P ping-pong and all-reduce over 2..world ranks at two message sizes;
+* per stage, the CPU time its TP group spends (a rank waiting in a collective spends
+  little), the bytes autograd saves for backward per micro-batch, the bytes of
+  parameters, gradients and optimizer state, and the optimizer step's time;
+* P2P ping-pong at two message sizes between two ranks of one node and, under a
+  multi-node launch, two ranks of different nodes (told apart by torchrun's
+  ``GROUP_RANK``, the node's rank); all-reduce over 2.. ranks of one node;
 * how many slots compute at full speed at once: single-layer steps on one slot alone,
   then on every slot together.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -50,6 +54,9 @@ LOW, HIGH = 1, 4
 ``HIGH`` layers split 1|3 and 3|1."""
 SEED = 1234
 WARMUP = 2
+MICRO_BATCHES = 4
+"""Micro-batches per timed repetition of a stage: back to back, as in the loop (a TP
+group's ranks then stay awake between collectives); figures are per micro-batch."""
 
 
 def stage_kinds() -> list[tuple[str, int, list[int]]]:
@@ -105,6 +112,11 @@ class StageBench:
     def step(self) -> None:
         self.backward(self.forward())
 
+    def micro_batches(self) -> None:
+        """``MICRO_BATCHES`` steps back to back, as the loop runs a stage's share."""
+        for _ in range(MICRO_BATCHES):
+            self.step()
+
     def saved_bytes(self) -> int:
         """Bytes autograd keeps for backward during one forward (each storage once)."""
         seen: dict[int, int] = {}
@@ -132,11 +144,17 @@ class StageBench:
 
 def timed_once(fn: Callable[[], None], device: torch.device) -> float:
     """Seconds one call of ``fn`` takes (device work included)."""
+    return timed_with_cpu(fn, device)[0]
+
+
+def timed_with_cpu(fn: Callable[[], None], device: torch.device) -> tuple[float, float]:
+    """(wall, CPU) seconds of one call of ``fn``; CPU counts all of this process's
+    threads (gloo's included)."""
     sync(device)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     fn()
     sync(device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu_start
 
 
 def undisturbed_ms(times: list[float], group) -> float:
@@ -147,6 +165,21 @@ def undisturbed_ms(times: list[float], group) -> float:
     tensor = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return float(tensor.min()) * 1e3
+
+
+def group_cpu_ms(cpu_times: list[float], group) -> float:
+    """The CPU time ``group`` spends on one repetition: each rank's least, summed."""
+    tensor = torch.tensor([min(cpu_times)], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return float(tensor) * 1e3
+
+
+def optimizer_ms(bench: StageBench, repeats: int) -> float:
+    """Fastest optimizer step of the stage (its gradients are those of the last step)."""
+    step = bench.runner.optimizer.step
+    for _ in range(WARMUP):
+        step()
+    return min(timed_once(step, bench.runner.device) for _ in range(repeats)) * 1e3
 
 
 def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: GroupCache,
@@ -168,14 +201,16 @@ def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: Gro
                 slots.append((tp, role, layers, StageBench(runner, measured) if mine else None))
     progress(f"{len(slots)} stages built (TP {tp_sizes}); timing them round-robin ...")
     times: list[list[float]] = [[] for _ in slots]
+    cpu_times: list[list[float]] = [[] for _ in slots]
     for repetition in range(WARMUP + repeats):
         for i, (_, _, _, bench) in enumerate(slots):
             dist.barrier()
             if bench is not None:
                 install(bench.runner.groups)  # mcore reads the TP view at call time
-                elapsed = timed_once(bench.step, bench.runner.device)
+                elapsed, cpu = timed_with_cpu(bench.micro_batches, bench.runner.device)
                 if repetition >= WARMUP:
-                    times[i].append(elapsed)
+                    times[i].append(elapsed / MICRO_BATCHES)
+                    cpu_times[i].append(cpu / MICRO_BATCHES)
         if (repetition + 1) % 5 == 0:
             progress(f"repetition {repetition + 1}/{WARMUP + repeats}")
     dist.barrier()
@@ -186,11 +221,15 @@ def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: Gro
         groups = bench.runner.groups
         install(groups)
         ms = undisturbed_ms(times[i], groups.tp)
+        cpu_ms = group_cpu_ms(cpu_times[i], groups.tp)
         saved, state = bench.saved_bytes(), bench.state_bytes()
+        opt_ms = undisturbed_ms([optimizer_ms(bench, repeats) / 1e3], groups.tp)
         if groups.rank == groups.tp_ranks[0]:
             records.append({"tp": tp, "role": role, "layers": layers,
-                            "forward_backward_ms": ms, "activation_bytes": saved,
-                            "state_bytes": state})
+                            "forward_backward_ms": ms, "cpu_ms": cpu_ms,
+                            "activation_bytes": saved, "state_bytes": state,
+                            "optimizer_ms": opt_ms,
+                            "params": sum(p.numel() for p in bench.runner.model.parameters())})
     dist.barrier()
     progress(f"stages measured (fastest of {repeats} repetitions)")
     gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
@@ -198,25 +237,51 @@ def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: Gro
     return [r for part in gathered for r in part]
 
 
-def measure_p2p(sizes: list[int], repeats: int, device: torch.device) -> list[dict]:
-    """Ping-pong between ranks 0 and 1: one-way time per message size."""
+def node_of_ranks() -> list[int]:
+    """Each rank's node, from the launch itself: torchrun's ``GROUP_RANK`` (the rank of
+    the rank's agent; one agent per node)."""
+    nodes: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(nodes, int(os.environ.get("GROUP_RANK", "0")))
+    return nodes
+
+
+def link_pairs(nodes: list[int]) -> dict[str, tuple[int, int]]:
+    """Two ranks of one node (``intra``) and rank 0 with a rank of another node
+    (``inter``), where the launch has them."""
+    pairs = {}
+    for a in range(len(nodes)):
+        same = [b for b in range(a + 1, len(nodes)) if nodes[b] == nodes[a]]
+        if same:
+            pairs["intra"] = (a, same[0])
+            break
+    other = [b for b in range(len(nodes)) if nodes[b] != nodes[0]]
+    if other:
+        pairs["inter"] = (0, other[0])
+    return pairs
+
+
+def measure_p2p(sizes: list[int], repeats: int, device: torch.device,
+                pair: tuple[int, int]) -> list[dict]:
+    """Ping-pong between the ranks of ``pair``: one-way time per message size."""
     out = []
     rank = dist.get_rank()
+    a, b = pair
     for nbytes in sizes:
         buf = torch.zeros(max(1, nbytes // 4), device=device)
 
         def ping_pong() -> None:
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            elif rank == 1:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
+            if rank == a:
+                dist.send(buf, b)
+                dist.recv(buf, b)
+            elif rank == b:
+                dist.recv(buf, a)
+                dist.send(buf, a)
 
         dist.barrier()
-        if rank in (0, 1):
-            out.append({"bytes": buf.numel() * 4,
-                        "ms": pair_time(ping_pong, repeats, device) / 2})
+        if rank in pair:
+            ms = pair_time(ping_pong, repeats, device) / 2
+            if rank == a:
+                out.append({"bytes": buf.numel() * 4, "ms": ms})
         dist.barrier()
     return out
 
@@ -229,15 +294,15 @@ def pair_time(fn: Callable[[], None], repeats: int, device: torch.device) -> flo
 
 
 def measure_allreduce(sizes: list[int], repeats: int, cache: GroupCache,
-                      device: torch.device) -> list[dict]:
-    """All-reduce over ranks 0..d-1 for d = 2, 4, ... up to the world."""
+                      device: torch.device, node_ranks: list[int]) -> list[dict]:
+    """All-reduce over the first d ranks of rank 0's node (``node_ranks``) for d = 2,
+    4, ... up to all of them (TP groups never span nodes)."""
     out = []
-    world = dist.get_world_size()
-    for d in [d for d in (2, 4, 8, 16) if d <= world]:
-        group = cache.get(range(d))
+    for d in [d for d in (2, 4, 8, 16) if d <= len(node_ranks)]:
+        group = cache.get(node_ranks[:d])
         for nbytes in sizes:
             dist.barrier()
-            if dist.get_rank() < d:
+            if dist.get_rank() in node_ranks[:d]:
                 buf = torch.zeros(max(1, nbytes // 4), device=device)
 
                 def reduce() -> None:
@@ -253,9 +318,16 @@ def measure_allreduce(sizes: list[int], repeats: int, cache: GroupCache,
     return out
 
 
+BLOCK = 8
+"""Steps per timed block of ``measure_parallelism``: long enough (tens of ms) that the
+scheduler shares the cores within a block instead of running the slots one after
+another."""
+
+
 def measure_parallelism(recipe: Recipe, repeats: int, cache: GroupCache) -> dict:
-    """Single-layer TP-1 steps on slot 0 alone, then on every slot at once, in turn:
-    how many slots compute at full speed together (``world x alone / together``)."""
+    """Blocks of single-layer TP-1 steps on slot 0 alone, then on every slot at once,
+    in turn: how many slots compute at full speed together (``world x alone /
+    together``, per step)."""
     world = dist.get_world_size()
     one = replace(recipe, model=replace(recipe.model, num_layers=1))
     micro = recipe.training.total_micro_batches
@@ -266,20 +338,46 @@ def measure_parallelism(recipe: Recipe, repeats: int, cache: GroupCache) -> dict
     runner = setup_stage(one, layout, SEED, cache)
     install(runner.groups)
     bench = StageBench(runner, one)
+
+    def block() -> None:
+        for _ in range(BLOCK):
+            bench.step()
+
     alone, together = [], []
     for repetition in range(WARMUP + repeats):
         dist.barrier()
         if dist.get_rank() == 0:
-            elapsed = timed_once(bench.step, runner.device)
+            elapsed = timed_once(block, runner.device) / BLOCK
             if repetition >= WARMUP:
                 alone.append(elapsed)
         dist.barrier()
-        elapsed = timed_once(bench.step, runner.device)
+        elapsed = timed_once(block, runner.device) / BLOCK
         if repetition >= WARMUP:
             together.append(elapsed)
     alone_ms = min(alone) * 1e3 if alone else 0.0
     return {"slots": world, "alone_ms": alone_ms,
             "together_ms": undisturbed_ms(together, None)}
+
+
+def measure_links(recipe: Recipe, repeats: int, cache: GroupCache,
+                  device: torch.device) -> dict:
+    """P2P inside a node and between nodes, all-reduce inside rank 0's node, at one
+    micro-batch's hidden states and at 4 MiB."""
+    dtype_bytes = 4 if recipe.training.params_dtype == "float32" else 2
+    message = (recipe.training.micro_batch_size * recipe.model.seq_length
+               * recipe.model.hidden_size * dtype_bytes)
+    sizes = [message, 4 * 2**20]
+    nodes = node_of_ranks()
+    pairs = link_pairs(nodes)
+    p2p = {kind: measure_p2p(sizes, 4 * repeats, device, pair) if pair else []
+           for kind, pair in ((k, pairs.get(k)) for k in ("intra", "inter"))}
+    node_ranks = [r for r, n in enumerate(nodes) if n == nodes[0]]
+    allreduce = measure_allreduce(sizes, 2 * repeats, cache, device, node_ranks)
+    gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, p2p["intra"])
+    intra = next((part for part in gathered if part), [])
+    return {"p2p": intra, "p2p_inter_node": p2p["inter"], "allreduce": allreduce,
+            "nodes": nodes}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -288,6 +386,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp-sizes", required=True, help="comma-separated TP degrees")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", required=True, help="JSON file for the raw figures")
+    parser.add_argument("--links-only", action="store_true",
+                        help="measure P2P and all-reduce only (no stages, no core sharing)")
     return parser.parse_args(argv)
 
 
@@ -308,21 +408,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = device_for_rank()
         started = time.perf_counter()
-        stages = measure_stages(recipe, tp_sizes, args.repeats, cache, progress)
-        dtype_bytes = 4 if recipe.training.params_dtype == "float32" else 2
-        message = (recipe.training.micro_batch_size * recipe.model.seq_length
-                   * recipe.model.hidden_size * dtype_bytes)
-        sizes = [message, 4 * 2**20]
-        p2p = measure_p2p(sizes, 4 * args.repeats, device)
-        allreduce = measure_allreduce(sizes, 2 * args.repeats, cache, device)
-        progress(f"P2P and all-reduce measured ({len(p2p)} + {len(allreduce)} sizes)")
-        parallel = measure_parallelism(recipe, args.repeats, cache)
-        progress(f"parallelism: one slot {parallel['alone_ms']:.2f} ms per layer step, "
-                 f"{parallel['slots']} together {parallel['together_ms']:.2f} ms")
+        stages = ([] if args.links_only
+                  else measure_stages(recipe, tp_sizes, args.repeats, cache, progress))
+        links = measure_links(recipe, args.repeats, cache, device)
+        progress(f"P2P and all-reduce measured ({len(links['p2p'])} + "
+                 f"{len(links['p2p_inter_node'])} inter-node + {len(links['allreduce'])} "
+                 f"sizes, {len(set(links['nodes']))} node(s))")
+        parallel = None
+        if not args.links_only:
+            parallel = measure_parallelism(recipe, args.repeats, cache)
+            progress(f"parallelism: one slot {parallel['alone_ms']:.2f} ms per layer step, "
+                     f"{parallel['slots']} together {parallel['together_ms']:.2f} ms")
         if rank == 0:
             with open(args.out, "w") as f:
-                json.dump({"stages": stages, "p2p": p2p, "allreduce": allreduce,
-                           "parallelism": parallel, "world": dist.get_world_size(),
+                json.dump({"stages": stages, **links, "parallelism": parallel,
+                           "world": dist.get_world_size(),
                            "seconds": time.perf_counter() - started}, f, indent=1)
     finally:
         dist.destroy_process_group()
