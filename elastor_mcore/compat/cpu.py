@@ -9,6 +9,8 @@ runtime hits on CPU:
 * ``torch.cuda.synchronize()`` becomes a no-op.
 * mcore's CUDA RNG tracker (``get_cuda_rng_tracker().fork()`` around TP-sharded
   initialisation and dropout) is replaced by one that forks CPU generator states.
+* activation recomputation (``tensor_parallel.checkpoint``) saves and restores the
+  CUDA generator's state beside the CPU one; on CPU there is none to keep.
 
 Causal masks are passed explicitly by the runtime (mcore's default mask is built on
 CUDA), so no shim is needed for them.
@@ -74,6 +76,8 @@ def apply() -> None:
     torch.cuda.synchronize = lambda *args, **kwargs: None
     tp_random._CUDA_RNG_STATE_TRACKER = CPURNGTracker()
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     _applied = True
     log.debug("Megatron-Core CPU shims applied")
 

@@ -182,6 +182,19 @@ class TrainingConfig:
     """ZeRO-1, as Megatron's ``--use-distributed-optimizer``: the fp32 main parameters
     and moments of each piece are sharded across the ranks holding it
     (``runtime/distributed_optimizer.py``); same losses, checkpoints either way."""
+    sequence_parallel: bool = False
+    """Megatron's ``--sequence-parallel``: in every stage of TP > 1, norms and residuals
+    run on the TP rank's slice of the sequence (``model.seq_length`` must be divisible
+    by every such TP); stage boundaries re-split the sequence (``runtime/p2p.py``)."""
+    recompute_granularity: str | None = None
+    """Megatron's ``--recompute-granularity``: ``full`` (whole layers, with
+    ``recompute_method`` and ``recompute_num_layers``) or ``selective`` (core
+    attention); None keeps every activation. Same losses, less activation memory."""
+    recompute_method: str | None = None
+    """``uniform``: recompute chunks of ``recompute_num_layers`` layers (the number must
+    divide every stage's layers); ``block``: the first ``recompute_num_layers`` layers of
+    each stage."""
+    recompute_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.global_batch_size % self.micro_batch_size:
@@ -194,7 +207,31 @@ class TrainingConfig:
         if not isinstance(self.distributed_optimizer, bool):
             raise RecipeError(f"training.distributed_optimizer={self.distributed_optimizer!r}: "
                               f"use true or false")
+        if not isinstance(self.sequence_parallel, bool):
+            raise RecipeError(f"training.sequence_parallel={self.sequence_parallel!r}: use "
+                              f"true or false")
+        self._check_recompute()
         self._check_schedule()
+
+    def _check_recompute(self) -> None:
+        """What mcore's ``TransformerConfig`` asserts, as errors naming the field."""
+        granularity, method, layers = (self.recompute_granularity, self.recompute_method,
+                                       self.recompute_num_layers)
+        where = "training.recompute"
+        if granularity not in (None, "full", "selective"):
+            raise RecipeError(f"{where}_granularity={granularity!r}: use 'full', 'selective' "
+                              f"or leave it out")
+        if granularity == "full":
+            if method not in ("uniform", "block"):
+                raise RecipeError(f"{where}_granularity='full' needs {where}_method "
+                                  f"'uniform' or 'block', got {method!r}")
+            if isinstance(layers, bool) or not isinstance(layers, int) or layers <= 0:
+                raise RecipeError(f"{where}_granularity='full' needs {where}_num_layers, "
+                                  f"a positive integer, got {layers!r}")
+        elif method is not None or layers is not None:
+            raise RecipeError(f"{where}_method and {where}_num_layers go with "
+                              f"{where}_granularity='full' (got granularity {granularity!r}); "
+                              f"drop them or set the granularity to 'full'")
 
     def _check_schedule(self) -> None:
         """What mcore's ``OptimizerParamScheduler`` asserts, as errors naming the field."""

@@ -151,6 +151,20 @@ class Layout:
                         raise LayoutError(
                             f"{where}.tp={stage.tp} does not divide {what}={size}; use one of "
                             f"the TP sizes this model allows: {model.valid_tp_sizes}")
+                if training.sequence_parallel and model.seq_length % stage.tp:
+                    raise LayoutError(
+                        f"{where}.tp={stage.tp} does not divide model.seq_length="
+                        f"{model.seq_length}, which training.sequence_parallel splits across "
+                        f"the stage's TP ranks; use a TP size that divides it, a seq_length "
+                        f"divisible by {stage.tp}, or sequence_parallel: false")
+                if training.recompute_method == "uniform" and \
+                        stage.layers % training.recompute_num_layers:
+                    raise LayoutError(
+                        f"{where}.layers={stage.layers} is not a multiple of "
+                        f"training.recompute_num_layers={training.recompute_num_layers} "
+                        f"(recompute_method 'uniform' recomputes chunks of that many layers); "
+                        f"pick a recompute_num_layers dividing every stage's layers, or "
+                        f"recompute_method 'block'")
         micro = sum(p.micro_batches for p in self.pipelines)
         if micro * training.micro_batch_size != training.global_batch_size:
             raise LayoutError(

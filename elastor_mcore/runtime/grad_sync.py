@@ -189,3 +189,27 @@ class GradientSynchronizer:
         """Multiply every gradient by ``factor`` (clipping)."""
         for grad in self._grads:
             grad.mul_(factor)
+
+
+class SequenceParallelGrads:
+    """Under sequence parallelism each TP rank's norm weights see only its slice of
+    the sequence, so their gradients are partial sums: add them up over the stage's
+    TP group (mcore's ``finalize_model_grads`` does this for weights marked
+    ``sequence_parallel``) before the cross-pipeline reduction, which then sees TP
+    replicas with equal gradients again."""
+
+    def __init__(self, model: torch.nn.Module, tp_group) -> None:
+        self.params = [p for p in model.parameters() if getattr(p, "sequence_parallel", False)]
+        self.group = tp_group
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        if not self.params:
+            return
+        grads = [grad_buffer(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import replace
 
 import torch
 
@@ -27,8 +28,8 @@ def transformer_config(recipe: Recipe, tp: int, stage_layers: list[int]):
     """The mcore ``TransformerConfig`` for one stage of a pipeline with ``stage_layers``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    model = recipe.model
-    dtype = DTYPES[recipe.training.params_dtype]
+    model, training = recipe.model, recipe.training
+    dtype = DTYPES[training.params_dtype]
     pipeline_layout = mcore_pipeline_layout(stage_layers) if len(stage_layers) > 1 else None
     return TransformerConfig(
         num_layers=model.num_layers,
@@ -51,19 +52,56 @@ def transformer_config(recipe: Recipe, tp: int, stage_layers: list[int]):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        sequence_parallel=training.sequence_parallel and tp > 1,
+        recompute_granularity=training.recompute_granularity,
+        recompute_method=training.recompute_method,
+        recompute_num_layers=training.recompute_num_layers,
         use_cpu_initialization=True,
         perform_initialization=False,
     )
 
 
-def layer_spec():
-    """Transformer Engine's layer spec where TE is installed, mcore's local one otherwise."""
+class SequenceParallelRMSNorm:
+    """``torch.nn.RMSNorm`` for mcore's local spec under sequence parallelism.
+
+    mcore's torch norm refuses ``sequence_parallel`` only because it does not mark its
+    weight (Apex's and TE's norms do): an RMSNorm is per token, so it is exact on a
+    slice of the sequence, and a weight marked ``sequence_parallel`` has its gradient
+    summed over the TP group (``grad_sync.SequenceParallelGrads``), as mcore's
+    ``finalize_model_grads`` does.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def layer_spec(config=None, num_layers: int | None = None):
+    """Transformer Engine's layer spec where TE is installed, mcore's local one otherwise.
+
+    Under sequence parallelism (``config.sequence_parallel``) the local spec's norms are
+    ``SequenceParallelRMSNorm``, and it is a block spec of the stage's ``num_layers``
+    layers so that the final norm is one too.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     try:
         import transformer_engine  # noqa: F401
     except ImportError:
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        local = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        if config is None or not config.sequence_parallel:
+            return local
+        from megatron.core.transformer.spec_utils import ModuleSpec
+        from megatron.core.transformer.transformer_block import (TransformerBlock,
+                                                                 TransformerBlockSubmodules)
+
+        norm = SequenceParallelRMSNorm
+        layer = replace(local, submodules=replace(local.submodules, input_layernorm=norm,
+                                                  pre_mlp_layernorm=norm))
+        return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+            layer_specs=[layer] * num_layers, layer_norm=norm))
     return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
 
 
@@ -76,7 +114,7 @@ def build_stage_model(recipe: Recipe, groups: RankGroups, pg_collection) -> torc
     config = transformer_config(recipe, stage.tp, [s.layers for s in pipeline.stages])
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(config, stage.layers),
         vocab_size=recipe.model.padded_vocab_size,
         max_sequence_length=recipe.model.max_position_embeddings or recipe.model.seq_length,
         pre_process=groups.is_first_stage,

@@ -4,9 +4,9 @@ Run under torchrun (``tools/comm_volume.py`` does that): every rank trains one s
 the layout, counting what its ``StageCommunicator`` really sent and received and what
 its ``GradientSynchronizer`` all-reduced; the lowest active rank prints a table.
 
-Minimums: without sequence parallelism a stage's activations (and the gradient of its
-input) are replicated in its TP group, so each rank must receive at least one copy per
-micro-batch in each direction it has a neighbour. For gradients, a cell of a global
+Minimums: each rank must receive at least the rows of the activation (and of the
+gradient of its input) it holds, once per micro-batch in each direction it has a
+neighbour: a full copy without sequence parallelism, its slice of the sequence with it. For gradients, a cell of a global
 tensor held in ``k`` pipelines must be summed over one representative per pipeline:
 a ring all-reduce sends ``2(k-1)/k`` of the cell from each representative; other TP
 replicas of a norm weight need nothing on the wire to compute it.
@@ -48,7 +48,7 @@ def measure(runner: StageRunner) -> RankTraffic:
     pos = groups.position
     pipeline = groups.layout.pipelines[pos.pipeline]
     activation = 1
-    for n in comm.shape:
+    for n in comm.local_shape:
         activation *= n
     activation *= comm.dtype.itemsize
     neighbours = (not groups.is_first_stage) + (not groups.is_last_stage)

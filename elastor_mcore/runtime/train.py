@@ -28,7 +28,7 @@ from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_
                                         tp_shared_micro_batches)
 from elastor_mcore.data.source import build_sample_source
 from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer, ShardPlan
-from elastor_mcore.runtime.grad_sync import GradientSynchronizer
+from elastor_mcore.runtime.grad_sync import GradientSynchronizer, SequenceParallelGrads
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.model import build_stage_model, initialize_weights
@@ -135,6 +135,8 @@ class StageRunner:
     """Gradient reduction, norm and clipping: the optimizer itself under ZeRO-1."""
     comm: StageCommunicator
     device: torch.device
+    sequence_parallel_grads: SequenceParallelGrads
+    """Norm gradients summed over the TP group first (``training.sequence_parallel``)."""
     mask: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)
     data_wait_s: float = field(init=False, default=0.0)
@@ -177,6 +179,7 @@ class StageRunner:
         self.optimizer.zero_grad()
         run_1f1b(pipeline.micro_batches, groups.position.stage, groups.num_stages,
                  self.comm, forward)
+        self.sequence_parallel_grads.reduce()
         self.grad_sync.reduce()
         norm = self.grad_sync.global_norm(groups.active)
         clip = training.optimizer.clip_grad
@@ -214,8 +217,10 @@ def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache) ->
     model_cfg = recipe.model
     shape = (model_cfg.seq_length, recipe.training.micro_batch_size, model_cfg.hidden_size)
     dtype = next(model.parameters()).dtype
-    comm = StageCommunicator(stage_links(layout, groups.rank), shape, dtype, device)
-    return StageRunner(recipe, groups, model, optimizer, grad_sync, comm, device)
+    links = stage_links(layout, groups.rank, recipe.training.sequence_parallel)
+    comm = StageCommunicator(links, shape, dtype, device)
+    return StageRunner(recipe, groups, model, optimizer, grad_sync, comm, device,
+                       SequenceParallelGrads(model, groups.tp))
 
 
 def train_steps(runner: StageRunner, source: SampleSource, steps: range,
