@@ -20,7 +20,7 @@ from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.elastic.profiling import CACHED_NAME, choose_profile
 from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.planner import CostModel, layout_cost, load_hardware, plan
-from elastor_mcore.planner.calibration import fit_stage_table, link_profile
+from elastor_mcore.planner.calibration import fit_stage_table
 from elastor_mcore.planner.hardware import RecipeMeasurements, StageTable, recipe_shape
 from tests.conftest import REPO, TINY
 
@@ -239,14 +239,15 @@ def test_links_across_nodes_under_a_two_agent_launch(tmp_path):
     """A real multi-node launch on one host: two torchrun agents (2 ranks and 1 rank)
     meet in a c10d rendezvous; the profile tells the pairs apart by the launch's node
     ranks alone and measures both kinds of link."""
-    raw_path = tmp_path / "raw.json"
+    raw_path, profile_path = tmp_path / "raw.json", tmp_path / "links.yaml"
     port, env = free_port(), dict(os.environ, PYTHONPATH=str(REPO))
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(node), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "h21-links",
          "-m", "elastor_mcore.runtime.profile", "--recipe", str(TINY), "--tp-sizes", "1",
-         "--repeats", "3", "--links-only", "--out", str(raw_path)],
+         "--repeats", "3", "--links-only", "--out", str(raw_path), "--hardware",
+         str(CPU_SLOTS), "--profile-out", str(profile_path)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node, nproc in ((0, 2), (1, 1))]
     outputs = [agent.communicate(timeout=150)[0] for agent in agents]
@@ -257,7 +258,7 @@ def test_links_across_nodes_under_a_two_agent_launch(tmp_path):
         assert [p["bytes"] for p in raw[kind]] == [32 * 64 * 4, 4 * 2**20], raw
         assert all(0 < p["ms"] < float("inf") for p in raw[kind]), raw
     assert [(p["ranks"], p["bytes"]) for p in raw["allreduce"]] == [(2, 8192), (2, 4 * 2**20)]
-    hardware = link_profile(load_hardware(CPU_SLOTS), raw)
+    hardware = load_hardware(profile_path)  # the existing format, written by rank 0
     for name in ("p2p_latency_us", "p2p_bandwidth_gb_s", "inter_node_latency_us",
                  "inter_node_bandwidth_gb_s"):
         assert 0 < getattr(hardware, name) < float("inf"), name

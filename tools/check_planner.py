@@ -1,7 +1,12 @@
 """Check the planner's predictions against real training steps on this machine.
 
     PYTHONPATH=. python tools/check_planner.py [--hardware recipes/hardware/cpu-slots-measured.yaml]
-                                               [--rounds 3] [--steps 5] [--out check_planner.json]
+                                               [--measure] [--rounds 3] [--steps 5]
+                                               [--out check_planner.json]
+
+``--measure`` first runs ``elastor profile`` (TP 1 and 2, on top of ``cpu-slots``) and
+checks against that profile, measured in the same run and so under the same load
+(written beside ``--out`` as ``<out>.profile.yaml``).
 
 Layouts of the tiny recipe, uniform and heterogeneous, on 1 to 4 slots of one node
 (``LAYOUTS``, plus the planner's own best layout for 4 slots), are each trained for
@@ -132,10 +137,30 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else 0.0
 
 
+def measure_profile(recipe, repeats: int, out: Path) -> Path:
+    """``elastor profile`` of the tiny recipe at TP 1 and 2, beside ``out``."""
+    from elastor_mcore.elastic.profiling import measure
+    from elastor_mcore.planner import write_hardware
+
+    base = ROOT / "recipes" / "hardware" / "cpu-slots.yaml"
+    path = out.with_suffix(".profile.yaml")
+    print(f"check_planner: measuring the profile (elastor profile, TP 1,2, {repeats} "
+          f"repeats, load average {os.getloadavg()[0]:.1f}) ...", flush=True)
+    profile = measure(str(TINY), recipe, load_hardware(base), [1, 2], "cpu", repeats,
+                      on_line=lambda line: None)
+    write_hardware(profile, path, f"Measured by tools/check_planner.py --measure (elastor "
+                                  f"profile --tp-sizes 1,2 --repeats {repeats} on {base}).")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hardware", default=str(ROOT / "recipes" / "hardware" /
                                                   "cpu-slots-measured.yaml"))
+    parser.add_argument("--measure", action="store_true",
+                        help="measure the profile first with elastor profile (same load)")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="elastor profile's repetitions with --measure")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per layout and round")
     parser.add_argument("--out", default="check_planner.json")
@@ -149,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     from elastor_mcore.elastic.torchrun import run_torchrun
 
     recipe = load_recipe(TINY)
+    if args.measure:
+        args.hardware = str(measure_profile(recipe, args.repeats, Path(args.out)))
     hardware = load_hardware(args.hardware)
     layouts = build_layouts(recipe, hardware)
     predicted = {name: predicted_step_s(recipe, hardware, layout)
@@ -169,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     times_path.unlink()
     load_after = os.getloadavg()[0]
     names = list(layouts)
-    figures = {"profile": args.hardware, "rounds": args.rounds, "steps": args.steps,
+    figures = {"profile": args.hardware, "measured_profile": args.measure,
+               "rounds": args.rounds, "steps": args.steps,
                "layouts": [{"layout": n, "describe": layouts[n].describe(),
                             "slots": layouts[n].num_gpus, "predicted_s": predicted[n],
                             "steps_timed": len(times[n])} for n in names],

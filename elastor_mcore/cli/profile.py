@@ -21,9 +21,12 @@ def register(subparsers) -> None:
         "profile", help="measure layer, link and core-sharing costs for the planner",
         description="Time forward+backward of the recipe's stages (one transformer layer, "
                     "embedding, output layer) per TP degree with the runtime's mcore stages "
-                    "in real TP groups, P2P and all-reduce inside a node, memory per layer "
-                    "and (CPU slots) how many slots compute at once; write a hardware "
-                    "profile with these tables that elastor plan, launch and demo use.")
+                    "in real TP groups (wall and CPU time), the optimizer step per "
+                    "parameter, P2P and all-reduce inside a node, memory per layer and (CPU "
+                    "slots) how many slots compute at once; write a hardware profile with "
+                    "these tables that elastor plan, launch and demo use. Across nodes: "
+                    "run python -m elastor_mcore.runtime.profile under a multi-node "
+                    "torchrun launch (see docs/planner.md).")
     parser.add_argument("--recipe", required=True, help="recipe YAML (model + training)")
     parser.add_argument("--hardware", default=None,
                         help="profile to start from: memory, inter-node links and what is "
@@ -52,6 +55,8 @@ def summary(profile, recipe) -> list[str]:
     lines.append(f"links: all-reduce {profile.intra_node_latency_us:.0f} us + "
                  f"{profile.intra_node_bandwidth_gb_s:.2f} GB/s, P2P "
                  f"{profile.p2p_latency_us:.0f} us + {profile.p2p_bandwidth_gb_s:.2f} GB/s")
+    if tables.optimizer_ns_per_param is not None:
+        lines.append(f"optimizer step: {tables.optimizer_ns_per_param:.2f} ns per parameter")
     if profile.concurrent_slots:
         lines.append(f"slots computing at full speed at once: {profile.concurrent_slots:.2f}")
     return lines
@@ -97,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
     write_hardware(profile, args.out,
                    f"Measured by: elastor profile --recipe {args.recipe} --hardware "
                    f"{base_path} --repeats {args.repeats}\nNot measured (from {base_path}): "
-                   f"memory, peak_tflops, efficiency_by_tp, inter-node links.")
+                   f"memory, peak_tflops, efficiency_by_tp, inter-node links (measured only "
+                   f"under a multi-node launch of elastor_mcore.runtime.profile).")
     print("\n".join(f"{PREFIX}:   {line}" for line in summary(profile, recipe)))
     print(f"{PREFIX}: wrote {args.out} in {time.perf_counter() - start:.0f}s", flush=True)
     return 0

@@ -9,11 +9,7 @@ machine when it holds tables of the recipe's shape taken on this host and device
 
 from __future__ import annotations
 
-import datetime
-import importlib.metadata
 import json
-import os
-import platform
 import socket
 import subprocess
 import tempfile
@@ -24,7 +20,7 @@ from typing import Callable, Literal, Sequence
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.elastic.torchrun import start_torchrun
 from elastor_mcore.planner import HardwareError, HardwareProfile, load_hardware, write_hardware
-from elastor_mcore.planner.calibration import measured_profile
+from elastor_mcore.planner.calibration import measured_profile, provenance
 
 PROFILE_MODULE = "elastor_mcore.runtime.profile"
 CACHED_NAME = "hardware-profile.yaml"
@@ -48,23 +44,6 @@ def default_tp_sizes(recipe: Recipe, hardware: HardwareProfile,
 def device_count() -> int:
     import torch
     return torch.cuda.device_count()
-
-
-def device_name(device: Device) -> str:
-    if device == "cuda":
-        import torch
-        return torch.cuda.get_device_name(0)
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def provenance(recipe_path: str, device: Device, repeats: int) -> dict:
-    """Where and when a measurement was taken."""
-    return {"host": socket.gethostname(), "device": device, "device_name": device_name(device),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": importlib.metadata.version("torch"),
-            "megatron_core": importlib.metadata.version("megatron-core"),
-            "recipe": str(recipe_path), "repeats": repeats,
-            "load_average_1min": round(os.getloadavg()[0], 2)}
 
 
 def measure(recipe_path: str, recipe: Recipe, base: HardwareProfile, tp_sizes: Sequence[int],

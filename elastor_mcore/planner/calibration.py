@@ -1,6 +1,7 @@
 """From ``elastor profile``'s raw figures (``runtime.profile``) to a hardware profile.
 
-Pure arithmetic, so it can be checked by hand:
+Pure arithmetic, so it can be checked by hand (and ``provenance``, the record of where
+and when the figures were taken):
 
 * **Stages.** Per TP degree and quantity, each stage role (``single``: embedding and
   output layer; ``first``; ``last``) was measured at two layer counts. One slope (the
@@ -25,6 +26,11 @@ Pure arithmetic, so it can be checked by hand:
 
 from __future__ import annotations
 
+import datetime
+import importlib.metadata
+import os
+import platform
+import socket
 import statistics
 from collections import defaultdict
 from dataclasses import replace
@@ -157,3 +163,20 @@ def measured_profile(base: HardwareProfile, raw: dict[str, Any], recipe: Recipe,
     tables = recipe_measurements(raw, recipe, slots or float("inf"), measured_on)
     return replace(link_profile(base, raw), concurrent_slots=slots,
                    measured={**base.measured, recipe.name: tables})
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def provenance(recipe_path: str, device: str, repeats: int) -> dict:
+    """Where and when a measurement was taken."""
+    return {"host": socket.gethostname(), "device": device, "device_name": device_name(device),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": importlib.metadata.version("torch"),
+            "megatron_core": importlib.metadata.version("megatron-core"),
+            "recipe": str(recipe_path), "repeats": repeats,
+            "load_average_1min": round(os.getloadavg()[0], 2)}

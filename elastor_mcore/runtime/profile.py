@@ -21,8 +21,13 @@ cores to itself):
   then on every slot together.
 
 Each figure is the fastest of its repetitions (``undisturbed_ms``). Rank 0 writes them
-as JSON (``--out``); ``planner.calibration`` turns them
-into a hardware profile.
+as JSON (``--out``); ``planner.calibration`` turns them into a hardware profile
+(``elastor profile`` does, or, with ``--profile-out``, rank 0 itself: the way to
+profile under a multi-node launch, one torchrun agent per node)::
+
+    torchrun --nnodes 2 --node-rank N --nproc-per-node 2 --rdzv-backend c10d \
+        --rdzv-endpoint HOST:PORT -m elastor_mcore.runtime.profile \
+        --recipe R --tp-sizes 1 --out raw.json --hardware BASE --profile-out P.yaml
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from elastor_mcore.compat.process import die_with_parent
 from elastor_mcore.config.recipe import Recipe, load_recipe
 from elastor_mcore.parallel.groups import GroupCache, install
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
+from elastor_mcore.planner import load_hardware, write_hardware
+from elastor_mcore.planner.calibration import link_profile, measured_profile, provenance
 from elastor_mcore.runtime.train import StageRunner, device_for_rank, setup_stage
 from elastor_mcore.runtime.worker import init_distributed
 
@@ -380,6 +387,18 @@ def measure_links(recipe: Recipe, repeats: int, cache: GroupCache,
             "nodes": nodes}
 
 
+def write_profile(args: argparse.Namespace, recipe: Recipe, raw: dict, device: str) -> None:
+    """``--hardware`` with what ``raw`` measured, to ``--profile-out``."""
+    base = load_hardware(args.hardware)
+    profile = (link_profile(base, raw) if args.links_only else measured_profile(
+        base, raw, recipe, provenance(args.recipe, device, args.repeats)))
+    nodes = len(set(raw["nodes"]))
+    write_hardware(profile, args.profile_out,
+                   f"Measured by: python -m elastor_mcore.runtime.profile (world of "
+                   f"{raw['world']} ranks on {nodes} node(s)) on top of {args.hardware}"
+                   + ("; links only" if args.links_only else ""))
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="elastor_mcore.runtime.profile")
     parser.add_argument("--recipe", required=True)
@@ -388,6 +407,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="JSON file for the raw figures")
     parser.add_argument("--links-only", action="store_true",
                         help="measure P2P and all-reduce only (no stages, no core sharing)")
+    parser.add_argument("--hardware", help="profile to start from, with --profile-out")
+    parser.add_argument("--profile-out", help="rank 0 also writes the hardware profile here")
     return parser.parse_args(argv)
 
 
@@ -395,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     die_with_parent()
     args = parse_args(argv)
+    if args.profile_out and not args.hardware:
+        sys.exit("--profile-out needs --hardware (the profile to start from)")
     recipe = load_recipe(args.recipe)
     tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
     init_distributed()
@@ -420,10 +443,12 @@ def main(argv: list[str] | None = None) -> int:
             progress(f"parallelism: one slot {parallel['alone_ms']:.2f} ms per layer step, "
                      f"{parallel['slots']} together {parallel['together_ms']:.2f} ms")
         if rank == 0:
+            raw = {"stages": stages, **links, "parallelism": parallel,
+                   "world": dist.get_world_size(), "seconds": time.perf_counter() - started}
             with open(args.out, "w") as f:
-                json.dump({"stages": stages, **links, "parallelism": parallel,
-                           "world": dist.get_world_size(),
-                           "seconds": time.perf_counter() - started}, f, indent=1)
+                json.dump(raw, f, indent=1)
+            if args.profile_out:
+                write_profile(args, recipe, raw, device.type)
     finally:
         dist.destroy_process_group()
     return 0
