@@ -97,6 +97,17 @@ def diagram(result: Plan, full_step_s: float, tokens_per_step: int, title: str) 
     return "\n".join(lines)
 
 
+def assumptions(recipe) -> str:
+    """What the cost model assumed of the recipe's training settings (the runtime runs
+    the same: ``training.sequence_parallel``, ``training.recompute_*``)."""
+    t = recipe.training
+    recompute = (f"full ({t.recompute_method}, {t.recompute_num_layers} layer(s))"
+                 if t.recompute_granularity == "full" else t.recompute_granularity or "none")
+    return (f"assumed: sequence parallelism {'on' if t.sequence_parallel else 'off'} "
+            f"(training.sequence_parallel), activation recomputation {recompute} "
+            f"(training.recompute_granularity)")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         recipe = load_recipe(args.recipe)
@@ -126,13 +137,16 @@ def run(args: argparse.Namespace) -> int:
                   "gpus_per_node": gpn, "dead": dead, **result.to_dict(),
                   "tokens_per_s": tokens / result.step_s,
                   "all_alive_step_s": full.step_s,
-                  "relative_throughput": full.step_s / result.step_s}
+                  "relative_throughput": full.step_s / result.step_s,
+                  "sequence_parallel": recipe.training.sequence_parallel,
+                  "recompute_granularity": recipe.training.recompute_granularity}
         print(json.dumps(report, indent=2))
     else:
         title = (f"{recipe.name} on {args.nodes} x {gpn} GPUs ({hardware.name}), dead: "
                  f"{', '.join(map(str, dead)) or 'none'}; {len(alive)} alive, "
                  f"{result.layout.num_gpus} used")
         print(diagram(result, full.step_s, tokens, title))
+        print(assumptions(recipe))
         if args.out:
             print(f"layout written to {args.out}")
     return 0

@@ -124,11 +124,12 @@ def _place(candidate: Candidate, alive_by_node: dict[int, list[int]],
 
 def plan(recipe: Recipe, hardware: HardwareProfile, alive_gpus: Iterable[int],
          gpus_per_node: int | None = None, tp_sizes: Iterable[int] | None = None,
-         sequence_parallel: bool = True, use_all: bool = False) -> Plan:
+         sequence_parallel: bool | None = None, use_all: bool = False) -> Plan:
     """Fastest layout of ``recipe`` on ``alive_gpus`` (physical ids) under the cost model.
 
     ``tp_sizes`` restricts the TP degrees tried (default: every degree the model allows
     that fits in a node; with a profile measured for the recipe, the degrees measured).
+    ``sequence_parallel`` defaults to the recipe's ``training.sequence_parallel``.
     ``use_all`` keeps every alive GPU busy when some layout can (CPU slots that stand for
     GPUs: on fewer cores than slots the fastest layout would leave slots idle). Raises
     PlannerError when nothing fits.

@@ -23,7 +23,7 @@ def _divisors(n: int) -> list[int]:
 
 def best_uniform(recipe: Recipe, hardware: HardwareProfile, alive_gpus: Iterable[int],
                  gpus_per_node: int | None = None, tp_sizes: Iterable[int] | None = None,
-                 sequence_parallel: bool = True) -> Plan:
+                 sequence_parallel: bool | None = None) -> Plan:
     """Fastest ``dpX-tpY-ppZ`` layout the alive GPUs can host; PlannerError if none fits."""
     gpn = gpus_per_node or hardware.gpus_per_node
     alive = tuple(sorted(set(alive_gpus)))

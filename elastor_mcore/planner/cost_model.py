@@ -1,6 +1,8 @@
 """Analytic cost model: predicted step time and memory per GPU of a layout.
 
-Time, per micro-batch and stage (forward + backward, no activation recomputation):
+Time, per micro-batch and stage (forward + backward; activation recomputation, the
+recipe's ``training.recompute_*``, adds a second forward of the recomputed layers, or of
+their core attention when selective):
 
 * compute: the stage's layers' FLOPs (QKV, causal attention, output projection, SwiGLU
   MLP; backward = 2 x forward) at ``peak x efficiency(tp) x tp``, plus the output
@@ -44,7 +46,10 @@ keeps in flight at the stage (``stages - position``; the planner keeps at least 
 micro-batches as stages), embedding on the first stage, output layer and fp32 logits on
 the last, and the profile's reserved memory. With measured tables, the memory one more
 layer costs (which bounds a stage's layers) is the measured state plus the measured
-saved activations per in-flight micro-batch.
+saved activations per in-flight micro-batch. Sequence parallelism (the recipe's
+``training.sequence_parallel`` unless the caller says otherwise) splits the norms'
+activations by TP; full recomputation keeps only each recomputed chunk's input per
+in-flight micro-batch, plus one chunk's activations while it is recomputed.
 """
 
 from __future__ import annotations
@@ -141,10 +146,12 @@ class CostModel:
     """
 
     def __init__(self, recipe: Recipe, hardware: HardwareProfile,
-                 sequence_parallel: bool = True) -> None:
+                 sequence_parallel: bool | None = None) -> None:
         self.recipe = recipe
         self.hardware = hardware
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = (recipe.training.sequence_parallel
+                                  if sequence_parallel is None else sequence_parallel)
+        """Sequence parallelism (default: the recipe's ``training.sequence_parallel``)."""
         model, training = recipe.model, recipe.training
         self.num_layers = model.num_layers
         self.total_micro_batches = training.total_micro_batches
@@ -266,13 +273,45 @@ class CostModel:
         return self.tables.forward_backward_ms[tp].total(layers, first, last) / 1000
 
     def layer_time_s(self, tp: int) -> float:
-        """Time one layer adds to a stage per micro-batch (measured when the profile has it)."""
+        """Time one layer adds to a stage per micro-batch (measured when the profile has
+        it), with the recomputation that every layer runs (``layer_recompute_s``)."""
+        return self._layer_time_s(tp) + self.layer_recompute_s(tp)
+
+    def _layer_time_s(self, tp: int) -> float:
         if self.tables:
             return self.tables.forward_backward_ms[tp].layer / 1000
         if tp in self._measured:
             return self._measured[tp] / 1000
         return self._memoised(("layer", tp),
                               lambda: self.layer_compute_s(tp) + self.layer_tp_comm_s(tp))
+
+    # ----- activation recomputation (training.recompute_*) ------------------------------
+    @property
+    def recompute(self) -> str:
+        """What the model assumes is recomputed, in the recipe's words."""
+        t = self.recipe.training
+        if t.recompute_granularity == "full":
+            return f"full, {t.recompute_method}, {t.recompute_num_layers} layer(s)"
+        return t.recompute_granularity or "none"
+
+    def layer_recompute_s(self, tp: int) -> float:
+        """Extra forward time per layer that every layer pays: a second forward of each
+        layer under full uniform recomputation (a third of forward + backward), of its
+        core attention (QK^T, softmax, AV) under selective."""
+        t = self.recipe.training
+        if t.recompute_granularity == "full" and t.recompute_method == "uniform":
+            return self._layer_time_s(tp) / 3
+        if t.recompute_granularity == "selective":
+            return 2 * self._b * self._s * self._s * self._h / self._flops_rate(tp)
+        return 0.0
+
+    def block_recompute_s(self, tp: int, layers: int) -> float:
+        """Full block recomputation: a second forward of the stage's first
+        ``recompute_num_layers`` layers."""
+        t = self.recipe.training
+        if t.recompute_granularity != "full" or t.recompute_method != "block":
+            return 0.0
+        return min(layers, t.recompute_num_layers) * self._layer_time_s(tp) / 3
 
     def output_layer_compute_s(self, tp: int) -> float:
         return 3 * 2 * self._b * self._s * self._h * self._v / self._flops_rate(tp)
@@ -298,16 +337,17 @@ class CostModel:
         """Time of a stage that does not scale with its layers: embedding/output, P2P."""
         first, last = position == 0, position == num_stages - 1
         neighbours = self._neighbours(position, num_stages)
+        block = self.block_recompute_s(tp, self.num_layers)  # stages hold >= that many
         if self.tables:
             return self._memoised(
                 ("fixed", tp, first, last, neighbours, intra_node),
                 lambda: (self._stage_table_s(tp, 0, first, last)
-                         + neighbours * self.p2p_s(intra_node)))
+                         + neighbours * self.p2p_s(intra_node) + block))
         return self._memoised(
             ("fixed", tp, first, last, neighbours, intra_node),
             lambda: ((self.output_layer_compute_s(tp) if last else 0.0)
                      + self._embedding_comm_s(tp, first, last)
-                     + neighbours * self.p2p_s(intra_node)))
+                     + neighbours * self.p2p_s(intra_node) + block))
 
     def grad_sync_s(self, num_pipelines: int, min_pipeline_gpus: int, intra_node: bool) -> float:
         """Cross-pipeline gradient all-reduce (ring over the pipelines)."""
@@ -329,17 +369,50 @@ class CostModel:
         per_token = 4 * h / tp_sp + (2 * h + 2 * self._kv + 3 * self._f) / tp
         return self._b * self._s * per_token * self._act_bytes
 
+    def _layer_input_bytes(self, tp: int) -> float:
+        """What a recomputed chunk of layers keeps: its input (split by sequence
+        parallelism)."""
+        return self._b * self._s * self._h / (tp if self.sequence_parallel else 1) \
+            * self._act_bytes
+
+    def _uniform_recompute_layers(self) -> int:
+        """Layers per recomputed chunk under full uniform recomputation (0: none)."""
+        t = self.recipe.training
+        full_uniform = t.recompute_granularity == "full" and t.recompute_method == "uniform"
+        return t.recompute_num_layers if full_uniform else 0
+
+    def stage_activation_bytes(self, tp: int, layers: int, in_flight: int) -> float:
+        """Activations of a stage's layers with ``in_flight`` micro-batches alive: every
+        layer's (``_layer_activation_bytes``) without recomputation; with full
+        recomputation a recomputed chunk keeps its input per micro-batch, plus the
+        activations of the one chunk being recomputed in a backward. Selective
+        recomputation frees the core attention's scores, which flash attention (what
+        ``_layer_activation_bytes`` assumes) does not keep anyway."""
+        t = self.recipe.training
+        full = self._layer_activation_bytes(tp)
+        if t.recompute_granularity != "full" or layers == 0:
+            return in_flight * layers * full
+        n = t.recompute_num_layers
+        if t.recompute_method == "uniform":
+            return in_flight * -(-layers // n) * self._layer_input_bytes(tp) + min(n, layers) * full
+        recomputed = min(n, layers)
+        return in_flight * (recomputed * self._layer_input_bytes(tp)
+                            + (layers - recomputed) * full) + full
+
     def _sharded_layer_params(self, tp: int) -> float:
         return (self.layer_params - 2 * self._h) / tp + 2 * self._h
 
     def layer_memory_bytes(self, tp: int, position: int, num_stages: int) -> float:
         """Memory one more layer costs a stage's GPU (measured when the profile has it)."""
         in_flight = num_stages - position
+        chunk = self._uniform_recompute_layers()
         if self.tables:
-            return (self.tables.state_mib[tp].layer
-                    + in_flight * self.tables.activation_mib[tp].layer) * 2**20
-        return (self._sharded_layer_params(tp) * self._state_bytes_per_param
-                + in_flight * self._layer_activation_bytes(tp))
+            activation = self.tables.activation_mib[tp].layer * 2**20
+            return (self.tables.state_mib[tp].layer * 2**20
+                    + in_flight * (self._layer_input_bytes(tp) / chunk if chunk else activation))
+        activation = self._layer_input_bytes(tp) / chunk if chunk \
+            else self._layer_activation_bytes(tp)
+        return self._sharded_layer_params(tp) * self._state_bytes_per_param + in_flight * activation
 
     def _stage_params(self, tp: int, layers: int, first: bool, last: bool) -> float:
         """Parameters of one rank of a stage."""
@@ -354,7 +427,7 @@ class CostModel:
                      num_stages: int) -> MemoryBreakdown:
         first, last = position == 0, position == num_stages - 1
         params = self._stage_params(tp, layers, first, last)
-        activations = (num_stages - position) * layers * self._layer_activation_bytes(tp)
+        activations = self.stage_activation_bytes(tp, layers, num_stages - position)
         if last:
             activations += self._b * self._s * self._v / tp * LOGIT_BYTES
         master = self._state_bytes_per_param - self._param_bytes - GRAD_BYTES - ADAM_MOMENT_BYTES
@@ -383,11 +456,12 @@ class CostModel:
         if self.tables:
             compute, comm = self._stage_table_s(tp, layers, first, last), 0.0
         elif tp in self._measured:
-            compute, comm = layers * self.layer_time_s(tp), 0.0
+            compute, comm = layers * self._layer_time_s(tp), 0.0
         else:
             compute, comm = layers * self.layer_compute_s(tp), layers * self.layer_tp_comm_s(tp)
         if last and not self.tables:
             compute += self.output_layer_compute_s(tp)
+        compute += layers * self.layer_recompute_s(tp) + self.block_recompute_s(tp, layers)
         collectives = (layers * TP_COLLECTIVES_PER_LAYER + (TP_COLLECTIVES_EMBEDDING // 2) * first
                        + TP_COLLECTIVES_EMBEDDING * last)
         neighbours = self._neighbours(position, num_stages)
