@@ -136,7 +136,10 @@ class RunSettings:
     report_memory: bool = field(default=False, metadata=setting(
         "print every rank's optimizer-state bytes (fp32 main parameters and Adam "
         "moments, measured on its tensors) next to the formula: 12 bytes per parameter, "
-        "divided by its replica count under training.distributed_optimizer",
+        "divided by its replica count under training.distributed_optimizer; after the "
+        "first step, every rank's measured weights, gradients, optimizer state, peak "
+        "activations saved for backward and RSS (CUDA allocator peak on GPU) next to "
+        "the planner's prediction for its stage",
         ("train", "worker")))
     allow_data_change: bool = field(default=False, metadata=setting(
         "resume even if the corpus or tokenizer differs from the checkpoint's (the "

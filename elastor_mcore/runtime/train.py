@@ -9,6 +9,7 @@ ZeRO-1 in ``runtime/distributed_optimizer.py`` reduces, clips and steps instead)
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -28,7 +29,10 @@ from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_
                                         tp_shared_micro_batches)
 from elastor_mcore.data.source import build_sample_source
 from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer, ShardPlan
-from elastor_mcore.runtime.grad_sync import GradientSynchronizer, SequenceParallelGrads
+from elastor_mcore.runtime import memory
+from elastor_mcore.runtime.grad_sync import (GradientSynchronizer, SequenceParallelGrads,
+                                             grad_buffer)
+from elastor_mcore.runtime.memory import Breakdown, RankMemory, SavedTensorMeter
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.model import build_stage_model, initialize_weights
@@ -85,6 +89,9 @@ class RunConfig:
     on_memory: Callable[[list[OptimizerMemory]], None] | None = None
     """With ``settings.report_memory``: called on the reporting rank before the first
     step with every active rank's optimizer state."""
+    on_peak_memory: Callable[[list[RankMemory]], None] | None = None
+    """With ``settings.report_memory``: called on the reporting rank after the first
+    step with every active rank's measured memory and the planner's prediction."""
 
     @property
     def seed(self) -> int:
@@ -99,20 +106,41 @@ class Prediction:
     profile: str
 
 
-def predict_step(settings: RunSettings, recipe: Recipe, layout: Layout) -> Prediction | None:
-    """``settings.hardware`` (default on CPU: ``CPU_PROFILE``) applied to the layout, its
-    ranks mapped to their physical slots; None if there is no profile to use."""
+def hardware_profile(settings: RunSettings) -> tuple[planner.HardwareProfile, str] | None:
+    """The profile the planner's predictions use and its path: ``settings.hardware``
+    (default on CPU: ``CPU_PROFILE``); None if there is none to use."""
     path = settings.hardware or (str(CPU_PROFILE) if device_for_rank().type == "cpu"
                                  and CPU_PROFILE.is_file() else None)
     if path is None:
         return None
     try:
-        hardware = planner.load_hardware(path)
+        return planner.load_hardware(path), path
     except planner.HardwareError as exc:
-        log.warning("no predicted step time: %s", exc)
+        log.warning("no planner prediction: %s", exc)
         return None
+
+
+def predict_step(settings: RunSettings, recipe: Recipe, layout: Layout) -> Prediction | None:
+    """The profile's step time for the layout, its ranks mapped to their physical
+    slots; None if there is no profile to use."""
+    profile = hardware_profile(settings)
+    if profile is None:
+        return None
+    hardware, path = profile
     return Prediction(planner.predicted_step_s(recipe, hardware, layout, settings.rank_slots),
                       path)
+
+
+def predict_memory(settings: RunSettings, recipe: Recipe, groups: RankGroups) -> Breakdown | None:
+    """The cost model's memory for this rank's stage (None without a profile)."""
+    profile = hardware_profile(settings)
+    if profile is None:
+        return None
+    pos = groups.position
+    stage = groups.layout.pipelines[pos.pipeline].stages[pos.stage]
+    m = planner.CostModel(recipe, profile[0]).stage_memory(stage.tp, stage.layers, pos.stage,
+                                                           groups.num_stages)
+    return Breakdown(m.weights, m.gradients, m.optimizer, m.activations)
 
 
 def device_for_rank() -> torch.device:
@@ -305,6 +333,22 @@ def optimizer_memory(runner: StageRunner) -> list[OptimizerMemory]:
     return gathered
 
 
+def peak_memory(runner: StageRunner, settings: RunSettings, activations_peak: int
+                ) -> list[RankMemory]:
+    """Every active rank's memory after a step whose saved activations peaked at
+    ``activations_peak`` bytes, beside the planner's (collective over the active ranks)."""
+    groups, model = runner.groups, runner.model
+    pos = groups.position
+    measured = memory.measure(model, runner.optimizer.adamw,
+                              [grad_buffer(p) for p in model.parameters()], activations_peak)
+    mine = RankMemory(groups.rank, f"P{pos.pipeline}.S{pos.stage}.tp{pos.tp_rank}", measured,
+                      memory.rss_peak_bytes(), memory.device_peak_bytes(runner.device),
+                      predict_memory(settings, runner.recipe, groups))
+    gathered: list = [None] * dist.get_world_size(groups.active)
+    dist.all_gather_object(gathered, mine, group=groups.active)
+    return gathered
+
+
 def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     """Set up this rank for ``cfg.layout``, resume if asked, train until step
     ``cfg.settings.steps`` and save every ``cfg.settings.save_interval`` steps."""
@@ -328,7 +372,14 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     for step in range(start, cfg.settings.steps):
         cfg.hooks.step_start(step + 1)
         in_flight = saver is not None and saver.in_flight
-        reported = train_steps(runner, source, range(step, step + 1))
+        meter = SavedTensorMeter(runner.model) \
+            if cfg.settings.report_memory and step == start else None
+        with meter or contextlib.nullcontext():
+            reported = train_steps(runner, source, range(step, step + 1))
+        if meter:
+            peaks = peak_memory(runner, cfg.settings, meter.peak)
+            if cfg.on_peak_memory and runner.groups.rank == min(cfg.layout.ranks):
+                cfg.on_peak_memory(peaks)
         done = step + 1
         block_s = None
         if saver and ((cfg.settings.save_interval and done % cfg.settings.save_interval == 0)

@@ -116,6 +116,31 @@ def print_memory(reports) -> None:
     print(f"  total {sum(m.state_bytes for m in reports):,d} B", flush=True)
 
 
+def print_peak_memory(reports) -> None:
+    """``--report-memory``, after the first step: each rank's measured memory beside
+    the planner's prediction for its stage, in MiB, and how far apart the totals are."""
+    mib = 2**20
+    kinds = ("weights", "gradients", "optimizer", "activations")
+    print("memory per rank after step 1, measured / planner (MiB); activations: peak "
+          "saved for backward; RSS: the process's high-water, libraries included:",
+          flush=True)
+    print(f"  {'rank':>4}  {'stage':<11}" + "".join(f"{k:>20}" for k in kinds)
+          + f"{'total':>20}{'RSS':>9}" + (f"{'CUDA peak':>11}" if reports[0].device_peak
+                                          is not None else ""), flush=True)
+    for m in reports:
+        line = f"  {m.rank:>4}  {m.where:<11}"
+        for kind in (*kinds, "total"):
+            measured = getattr(m.measured, kind) / mib
+            predicted = f"{getattr(m.predicted, kind) / mib:8.3f}" if m.predicted else "       -"
+            line += f"  {measured:8.3f} /{predicted}"
+        line += f"{m.rss_peak / mib:9.0f}"
+        if m.device_peak is not None:
+            line += f"{m.device_peak / mib:11.1f}"
+        if m.predicted:
+            line += f"   total {m.measured.total / m.predicted.total - 1:+.0%}"
+        print(line, flush=True)
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
@@ -130,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == min(layout.ranks) else None
     try:
         train(RunConfig(recipe, layout, settings, on_step=printer, on_memory=print_memory,
+                        on_peak_memory=print_peak_memory,
                         hooks=rank_hooks.from_settings(settings, dist.get_rank())))
     finally:
         if printer:
