@@ -17,10 +17,12 @@ local roots.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 
 def _error(message: str) -> Exception:
@@ -187,6 +189,24 @@ class ObjectPath:
             return op(_bucket_store(self.scheme, self.bucket, aws_endpoint(), aws_region()))
         except ValueError as exc:  # TensorStore reports storage errors as ValueError
             raise _error(explain(exc, f"{action} {self}")) from exc
+
+
+@contextlib.contextmanager
+def open_object(url: str | ObjectPath, mode: str = "r") -> Iterator[IO]:
+    """``open`` for a small object (a tracker file): reading is one GET, writing one PUT
+    when the block ends (readers see the old object or the new one)."""
+    path = as_path(url)
+    if mode not in ("r", "rb", "w", "wb"):
+        raise ValueError(f"open_object({str(path)!r}, {mode!r}): only r, rb, w and wb")
+    binary = "b" in mode
+    if mode.startswith("r"):
+        data = path.read_bytes()
+        yield io.BytesIO(data) if binary else io.StringIO(data.decode())
+        return
+    buffer = io.BytesIO() if binary else io.StringIO()
+    yield buffer
+    value = buffer.getvalue()
+    path.write_bytes(value if binary else value.encode())
 
 
 def explain(exc: BaseException, what: str) -> str:

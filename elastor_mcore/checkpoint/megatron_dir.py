@@ -17,6 +17,10 @@ iteration, scheduler). Here each goes where it fits:
 
 ``async_save`` (Megatron-LM's ``--async-save``) snapshots the state and writes it in a
 background thread while training goes on.
+
+A checkpoint directory may also be an ``s3://`` URL (``checkpoint.location``): the files
+are objects, written in place, and ``metadata.json``, the last PUT, still marks the
+checkpoint complete.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 
 from elastor_mcore.checkpoint import (
     ChunkPolicy, comm, load_sharded_state_dict, save_sharded_state_dict)
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.writer import prune_oldest, write_durably
 
 log = logging.getLogger(__name__)
@@ -68,7 +73,7 @@ class ZarrSaveSettings:
 def backend_of(checkpoint_dir: str | os.PathLike) -> str | None:
     """The ``sharded_backend`` named by ``metadata.json``, or None without one."""
     try:
-        return json.loads((Path(checkpoint_dir) / CONFIG_FILE).read_text()).get(
+        return json.loads((as_path(checkpoint_dir) / CONFIG_FILE).read_text()).get(
             "sharded_backend")
     except (FileNotFoundError, NotADirectoryError, ValueError, AttributeError):
         return None
@@ -131,7 +136,8 @@ def _prepare(sharded_state_dict: dict, content_metadata: dict | None, *,
                  if is_main_replica(obj.replica_id)})
 
 
-def _write(prepared: _Prepared, path: Path, settings: ZarrSaveSettings, group=None) -> None:
+def _write(prepared: _Prepared, path: Path | ObjectPath, settings: ZarrSaveSettings,
+           group=None) -> None:
     save_sharded_state_dict(prepared.tensors, path, step=prepared.step,
                             manifest_extra=settings.manifest_extra,
                             chunking=settings.chunking, group=group)
@@ -177,7 +183,7 @@ def save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
     The directory is replaced atomically; ``metadata.json`` is written last.
     """
     _write(_prepare(sharded_state_dict, content_metadata, snapshot=False),
-           Path(checkpoint_dir), settings)
+           as_path(checkpoint_dir), settings)
 
 
 def async_save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
@@ -200,7 +206,7 @@ def async_save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
 
     def run() -> None:
         try:
-            _write(prepared, Path(checkpoint_dir), settings, group)
+            _write(prepared, as_path(checkpoint_dir), settings, group)
         except BaseException as exc:  # re-raised by finalize on the caller's thread
             errors.append(exc)
         finally:
@@ -248,7 +254,7 @@ def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
     from megatron.core.dist_checkpointing.utils import (
         extract_nonpersistent, extract_sharded_base)
 
-    path = Path(checkpoint_dir)
+    path = as_path(checkpoint_dir)
     common = load_common_state_dict(path)
     # As mcore's own load: plain values of the request come from common.pt (dropped
     # here), LocalNonpersistentObjects keep the caller's values (unwrapped into it).
@@ -262,7 +268,7 @@ def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
     def read_object(obj):
         file = _object_file(path, obj.unique_key)
         if file.is_file():
-            return torch.load(file, weights_only=False)
+            return read_torch(file)
         log.warning("%s has no ShardedObject %s (saved under another layout?); keeping its "
                     "current value", path, obj.unique_key)
         return obj.data
@@ -278,30 +284,52 @@ def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
 
 def load_common_state_dict(checkpoint_dir: str | os.PathLike) -> dict:
     """Megatron-LM's plain values (args, iteration, scheduler) of a zarr checkpoint."""
-    file = Path(checkpoint_dir) / COMMON_FILE
+    file = as_path(checkpoint_dir) / COMMON_FILE
     if not file.is_file():
         raise FileNotFoundError(
             f"{file} is missing: {checkpoint_dir} is not a complete Megatron-LM zarr "
             f"checkpoint; load another iteration")
-    return torch.load(file, weights_only=False)
+    return read_torch(file)
 
 
 def write_config(checkpoint_dir: str | os.PathLike) -> None:
     """Mark ``checkpoint_dir`` as a complete elastor zarr checkpoint (the last write)."""
-    write_durably(Path(checkpoint_dir) / CONFIG_FILE, json.dumps({
+    write_durably(as_path(checkpoint_dir) / CONFIG_FILE, json.dumps({
         "sharded_backend": BACKEND, "sharded_backend_version": BACKEND_VERSION,
         "common_backend": "torch", "common_backend_version": 1}))
 
 
-def prune(save_dir: Path, keep: int, just_saved: Path) -> None:
+def prune(save_dir: Path | ObjectPath, keep: int, just_saved: Path | ObjectPath) -> None:
     """Delete all but the ``keep`` newest zarr ``iter_*`` checkpoints of ``save_dir``."""
     prune_oldest([(int(m.group(1)), entry) for entry in save_dir.iterdir()
                   if (m := _ITER_RE.match(entry.name)) and is_zarr_checkpoint(entry)],
                  keep, just_saved)
 
 
-def _object_file(path: Path, unique_key: str) -> Path:
+def _object_file(path: Path | ObjectPath, unique_key: str) -> Path | ObjectPath:
     return path / OBJECTS_DIR / f"{unique_key}.pt"
+
+
+def object_files(checkpoint_dir: str | os.PathLike) -> dict[str, Path | ObjectPath]:
+    """``unique_key`` -> file of every ShardedObject saved in ``checkpoint_dir``."""
+    root = as_path(checkpoint_dir) / OBJECTS_DIR
+    if isinstance(root, ObjectPath):
+        names = root.keys()
+    else:
+        names = [os.fspath(f.relative_to(root)) for f in root.rglob("*.pt")] \
+            if root.is_dir() else []
+    return {name[:-len(".pt")]: root / name for name in sorted(names)
+            if name.endswith(".pt")}
+
+
+def write_torch(value: Any, file: str | os.PathLike) -> None:
+    """``torch.save`` into ``file``, a local path or an object-store URL."""
+    _write_bytes(_serialise(value), as_path(file))
+
+
+def read_torch(file: str | os.PathLike) -> Any:
+    """``torch.load`` of ``file``, a local path or an object-store URL."""
+    return torch.load(io.BytesIO(as_path(file).read_bytes()), weights_only=False)
 
 
 def _serialise(value: Any) -> bytes:
@@ -310,7 +338,7 @@ def _serialise(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _write_bytes(data: bytes, file: Path) -> None:
+def _write_bytes(data: bytes, file: Path | ObjectPath) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
     write_durably(file, data)
 

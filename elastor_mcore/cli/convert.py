@@ -21,9 +21,9 @@ def register(subparsers) -> None:
                     "source format is detected: a torch_dist directory (metadata.json), "
                     "a Hugging Face Llama directory (config.json + safetensors) or an "
                     "elastor checkpoint (a step directory or a root). An elastor "
-                    "checkpoint may also be an s3://BUCKET/PREFIX URL, as SRC (--to hf) "
-                    "or DST (--to zarr); endpoint, region and credentials come from the "
-                    "AWS environment.")
+                    "checkpoint may also be an s3://BUCKET/PREFIX URL, as SRC (--to hf, "
+                    "--to torch_dist) or DST (--to zarr); endpoint, region and "
+                    "credentials come from the AWS environment.")
     parser.add_argument("src", help="source checkpoint directory (zarr: or s3:// URL)")
     parser.add_argument("dst", help="new directory to write (--to zarr: or s3:// URL)")
     parser.add_argument("--to", required=True, choices=FORMATS, help="target format")
@@ -73,12 +73,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         kind = source_format(src)
-        remote = [p for p in (src, dst) if isinstance(p, ObjectPath)]
-        if remote and {kind, args.to} != {"zarr", "hf"}:
+        if isinstance(dst, ObjectPath) and args.to != "zarr":
             raise CheckpointError(
-                f"{remote[0]}: {kind} -> {args.to} reads and writes local directories "
-                f"only; on object storage, elastor zarr checkpoints convert to and from hf "
-                f"(convert through a local copy)")
+                f"{dst}: --to {args.to} writes a local directory; only elastor zarr "
+                f"checkpoints are written to object storage (convert into a local "
+                f"directory, then copy it)")
         chunking = ChunkPolicy(split_sizes=tuple(args.split_sizes)) if args.split_sizes \
             else None
         recipe = load_recipe(args.recipe) if args.recipe else None

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy
 from elastor_mcore.checkpoint import open as open_checkpoint
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.compat.mcore import (
     torch_dist_common_in_dcp, torch_dist_common_object, torch_dist_common_object_key,
     torch_dist_common_state)
@@ -87,8 +88,9 @@ def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
                        chunking: ChunkPolicy | None = None,
                        progress: Progress | None = None) -> Path:
     """Convert the torch_dist checkpoint directory ``src`` into ``dst`` (a new
-    Megatron zarr checkpoint directory). Reads and writes one tensor at a time."""
-    src, dst = Path(src), Path(dst)
+    Megatron zarr checkpoint directory, or an object-store URL). Reads and writes one
+    tensor at a time."""
+    src, dst = Path(src), as_path(dst)
     if not is_torch_dist(src):
         raise CheckpointError(f"{src} is not a torch_dist checkpoint (its metadata.json "
                               f"does not name sharded_backend torch_dist)")
@@ -124,12 +126,11 @@ def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
         if progress:
             progress(done, len(sources), key)
     writer.commit()
-    torch.save(common, dst / megatron_dir.COMMON_FILE)
+    megatron_dir.write_torch(common, dst / megatron_dir.COMMON_FILE)
     for key, data in _read_items(reader, {k: io.BytesIO() for k in objects}).items():
         # mcore stores a ShardedObject as torch.save([data]); megatron_dir as data.
-        file = dst / megatron_dir.OBJECTS_DIR / f"{key}.pt"
-        file.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(torch.load(io.BytesIO(data), weights_only=False)[0], file)
+        megatron_dir.write_torch(torch.load(io.BytesIO(data), weights_only=False)[0],
+                                 dst / megatron_dir.OBJECTS_DIR / f"{key}.pt")
     megatron_dir.write_config(dst)
     log.info("converted %s: %d tensors (%d stacked), %d objects -> %s", src, len(sources),
              len(stacked), len(objects), dst)
@@ -139,7 +140,8 @@ def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
 def zarr_to_torch_dist(src: str | os.PathLike, dst: str | os.PathLike, *,
                        stacked: bool | None = None,
                        progress: Progress | None = None) -> Path:
-    """Convert an elastor checkpoint into a torch_dist directory ``dst``.
+    """Convert an elastor checkpoint (a local directory or an object-store URL) into
+    a torch_dist directory ``dst``.
 
     ``stacked`` chooses Megatron-LM's default stacked layer keys (True) or mcore's
     per-layer keys (False); None restores what the checkpoint was converted from
@@ -153,13 +155,13 @@ def zarr_to_torch_dist(src: str | os.PathLike, dst: str | os.PathLike, *,
     outputs = _stack_plan(reader) if stacked else {
         key: (entry.shape, entry.dtype, [(key, ())])
         for key, entry in reader.manifest.tensors.items()}
-    objects = _object_files(Path(reader.path))
+    objects = megatron_dir.object_files(reader.path)
     state: dict[str, Any] = {
         key: torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
         for key, (shape, dtype, _) in outputs.items()}
     state.update({key: io.BytesIO(_mcore_object_bytes(file)) for key, file in objects.items()})
-    common_file = Path(reader.path) / megatron_dir.COMMON_FILE
-    common = torch.load(common_file, weights_only=False) if common_file.is_file() \
+    common_file = as_path(reader.path) / megatron_dir.COMMON_FILE
+    common = megatron_dir.read_torch(common_file) if common_file.is_file() \
         else {"iteration": reader.manifest.step}
     if torch_dist_common_in_dcp():  # where the installed mcore's own save puts it
         state[torch_dist_common_object_key()] = io.BytesIO(torch_dist_common_object(common))
@@ -223,15 +225,9 @@ def _stack_plan(reader) -> dict[str, tuple[tuple[int, ...], str, list[tuple[str,
     return outputs
 
 
-def _object_files(step_dir: Path) -> dict[str, Path]:
-    root = step_dir / megatron_dir.OBJECTS_DIR
-    return {os.fspath(f.relative_to(root))[:-len(".pt")]: f
-            for f in sorted(root.rglob("*.pt"))} if root.is_dir() else {}
-
-
-def _mcore_object_bytes(file: Path) -> bytes:
+def _mcore_object_bytes(file: Path | ObjectPath) -> bytes:
     buffer = io.BytesIO()
-    torch.save([torch.load(file, weights_only=False)], buffer)
+    torch.save([megatron_dir.read_torch(file)], buffer)
     return buffer.getvalue()
 
 

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 from elastor_mcore.integrations.megatron_lm import hooks
 from elastor_mcore.checkpoint import ChunkPolicy
+from elastor_mcore.checkpoint.location import is_url
 from elastor_mcore.parallel.groups import RankGroups
 from elastor_mcore.parallel.layout import (
     Layout, LayoutError, layout_from_dict, load_layout, mcore_pipeline_layout)
@@ -233,6 +234,17 @@ def check_checkpoint_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--elastor-ckpt-format {args.elastor_ckpt_format} replaces the "
                          f"torch_dist backend; drop --ckpt-format {ckpt_format} (the default, "
                          f"torch_dist, is needed)")
+    save = getattr(args, "save", None)
+    if save and is_url(save) and args.elastor_ckpt_format != "zarr":
+        raise ValueError(f"--save {save}: Megatron-LM's own formats write local directories; "
+                         f"add --elastor-ckpt-format zarr to save to object storage, or "
+                         f"save to a local directory")
+    if save and is_url(save) and getattr(args, "save_retain_interval", None):
+        raise ValueError(f"--save-retain-interval deletes local directories; with --save "
+                         f"{save} use --elastor-ckpt-keep N instead")
+    if save and is_url(save) and getattr(args, "log_progress", False):
+        raise ValueError(f"--log-progress writes progress.txt into a local --save "
+                         f"directory; drop it with --save {save}")
 
 
 def options_from_args(args: argparse.Namespace, vocab_size: int | None = None) -> ElastorOptions:
