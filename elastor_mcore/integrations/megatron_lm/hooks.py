@@ -109,6 +109,8 @@ def install(options: ElastorOptions | Callable[[], ElastorOptions],
     else:
         patch(training_ckpt, "get_default_load_sharded_strategy", _wrap_load_strategy)
         patch(training_ckpt, "_build_sharded_state_dict_metadata", _wrap_sd_metadata)
+        from elastor_mcore.integrations.megatron_lm import object_storage  # s3:// --save
+        object_storage.install(patch, training_ckpt)
         from elastor_mcore.integrations.megatron_lm import training  # heterogeneous loop
         training.install(patch, rank_groups, lambda: options().layout)
     _installed = _Installed(provider, on_parallel_state, originals)
