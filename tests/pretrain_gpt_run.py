@@ -112,8 +112,10 @@ class PretrainRun:
     returncode: int
     stdout: str
     stderr: str
+    logged: dict[int, float] = field(default_factory=dict)
+    """Iteration -> ``lm loss`` as Megatron-LM's log line prints it (``--log-interval 1``)."""
     losses: dict[int, float] = field(default_factory=dict)
-    """Iteration -> ``lm loss`` from Megatron-LM's log lines (``--log-interval 1``)."""
+    """Iteration -> that iteration's own loss (``iteration_losses``)."""
     skipped: list[int] = field(default_factory=list)
     """Megatron-LM's "number of skipped iterations" of each logged iteration."""
 
@@ -154,7 +156,25 @@ def run_pretrain_gpt(megatron_lm_dir: Path, nproc: int, args: list[str], workdir
     run = PretrainRun(command, proc.returncode, stdout, stderr)
     for line in stdout.splitlines():
         if m := _LOG_LINE.search(line):
-            run.losses[int(m.group(1))] = float(m.group(2))
+            run.logged[int(m.group(1))] = float(m.group(2))
             if s := _SKIPPED.search(line):
                 run.skipped.append(int(s.group(1)))
+    run.losses = iteration_losses(run.logged)
     return run
+
+
+def iteration_losses(logged: dict[int, float]) -> dict[int, float]:
+    """Each iteration's own loss from the losses one process logged at
+    ``--log-interval 1``.
+
+    Megatron-LM's ``training_log`` prints a process's first iteration without resetting
+    its loss sums (``is_first_iteration``, training.py:1797 at core_v0.16.1, :2594 at
+    core_v0.19.0), so the second line of every process, fresh or resumed, prints the
+    mean of its first two iterations; every later line is its own iteration's. The
+    second iteration's own loss is therefore ``2 * printed - first``: exact up to the
+    print's 7 significant digits (a few 1e-7 relative)."""
+    losses = dict(logged)
+    if len(logged) >= 2:
+        first, second = sorted(logged)[:2]
+        losses[second] = 2 * logged[second] - logged[first]
+    return losses
