@@ -91,9 +91,6 @@ def test_layout_derives_megatron_parallel_sizes(uniform_runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)
-@pytest.mark.xfail(run=False, reason="the plain optimizer's resume on TP1xPP2xDP2 fails in "
-                   "the zarr load: merging common.pt's ('optimizer', 'fp32_from_fp16_params') "
-                   "list (2 groups, saved on TP2xDP2) with the new layout's (1) - issue 13")
 def test_zarr_saved_async_and_resumed_under_another_layout_continues_the_loss(
         uniform_runs, patched_megatron_lm):
     root, layout_run, plain_run = uniform_runs
@@ -123,10 +120,22 @@ def test_zarr_saved_async_and_resumed_under_another_layout_continues_the_loss(
 # ----------------------------------------------------------------- arguments
 
 
+TIED = "<tied embeddings>"
+"""In a case's argv: leave ``--untie-embeddings-and-output-weights`` out of
+``default_args()``."""
+
+
+def _case_argv(argv: list[str]) -> list[str]:
+    base = default_args()
+    if TIED in argv:
+        base.remove("--untie-embeddings-and-output-weights")
+    return base + [a for a in argv if a != TIED]
+
+
 def _check_args(megatron_lm: Path, cases: list[tuple[int, list[str]]], tmp_path: Path):
     """Each case through Megatron-LM's own parse_args + validate_args, in one process."""
     spec = tmp_path / "cases.json"
-    spec.write_text(json.dumps([{"world_size": n, "argv": default_args() + argv}
+    spec.write_text(json.dumps([{"world_size": n, "argv": _case_argv(argv)}
                                 for n, argv in cases]))
     path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
@@ -158,10 +167,11 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
         (4, ["--elastor-layout", "dp1-tp1-pp4", "--num-layers-per-virtual-pipeline-stage",
              "1"]),
         (4, ["--elastor-layout", str(hetero), "--use-distributed-optimizer"]),
+        (4, ["--elastor-layout", str(hetero), TIED]),
         (1, ["--elastor-ckpt-format", "zarr", "--ckpt-format", "torch"]),
         (1, ["--elastor-ckpt-keep", "-1"]),
     ], tmp_path)
-    (derived, with_batch, from_file, conflict, bad_batch, idle, virtual, distopt,
+    (derived, with_batch, from_file, conflict, bad_batch, idle, virtual, distopt, tied,
      ckpt_format, keep) = results
     # Megatron's default global batch (micro-batch x DP) for a shorthand; the file's
     # micro-batch counts otherwise; Megatron's validation passed on each.
@@ -175,5 +185,7 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
     assert virtual["exit"] == 2 and "virtual pipeline" in virtual["error"], virtual
     assert distopt["exit"] == 2 and "--use-distributed-optimizer on a heterogeneous" \
         in distopt["error"], distopt
+    assert tied["exit"] == 2 and "tied embeddings on a pipeline of several stages" in \
+        tied["error"] and "pass --untie-embeddings-and-output-weights" in tied["error"], tied
     assert ckpt_format["exit"] == 2 and "drop --ckpt-format torch" in ckpt_format["error"]
     assert keep["exit"] == 2 and "--elastor-ckpt-keep=-1" in keep["error"], keep
