@@ -181,12 +181,12 @@ def group_cpu_ms(cpu_times: list[float], group) -> float:
     return float(tensor) * 1e3
 
 
-def optimizer_ms(bench: StageBench, repeats: int) -> float:
-    """Fastest optimizer step of the stage (its gradients are those of the last step)."""
+def optimizer_times(bench: StageBench, repeats: int) -> list[float]:
+    """Seconds of each optimizer step of the stage (on the last step's gradients)."""
     step = bench.runner.optimizer.step
     for _ in range(WARMUP):
         step()
-    return min(timed_once(step, bench.runner.device) for _ in range(repeats)) * 1e3
+    return [timed_once(step, bench.runner.device) for _ in range(repeats)]
 
 
 def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: GroupCache,
@@ -230,7 +230,7 @@ def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: Gro
         ms = undisturbed_ms(times[i], groups.tp)
         cpu_ms = group_cpu_ms(cpu_times[i], groups.tp)
         saved, state = bench.saved_bytes(), bench.state_bytes()
-        opt_ms = undisturbed_ms([optimizer_ms(bench, repeats) / 1e3], groups.tp)
+        opt_ms = undisturbed_ms(optimizer_times(bench, repeats), groups.tp)
         if groups.rank == groups.tp_ranks[0]:
             records.append({"tp": tp, "role": role, "layers": layers,
                             "forward_backward_ms": ms, "cpu_ms": cpu_ms,
