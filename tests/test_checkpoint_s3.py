@@ -10,8 +10,8 @@ the tests see what every process (each rank of a torchrun world) fetched. Cases:
   while a save is being written: the previous step loads; the resume on another
   layout (``--load s3://``) removes the partial step and trains on;
 * a corrupted object (the error names the tensor), a missing bucket and wrong
-  credentials (refused before training), ``elastor inspect`` and ``elastor convert``
-  on an ``s3://`` URL.
+  credentials (``elastor train`` and ``elastor launch`` refuse them before training), ``elastor inspect`` and ``elastor convert``
+  (zarr on S3 <-> hf and <-> torch_dist) on an ``s3://`` URL.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ import torch
 
 from elastor_mcore import checkpoint as ck
 from elastor_mcore.checkpoint.location import ObjectPath
+from elastor_mcore.convert.torch_dist import is_torch_dist
 from tests.checkpoint_checks import MAX_READ_AMPLIFICATION, amplification
 from tests.conftest import REPO, TINY, run_world
-from tests.s3_server import S3Server
+from tests.s3_server import s3_environment
 from tests.test_checkpoint_crash import assert_loads, kill_when
 from tests.test_checkpoint_world import (  # rerun on the S3 world below  # noqa: F401
     test_each_cell_written_once_and_spread, test_replicas_read_once_per_job,
@@ -37,22 +38,14 @@ from tests.test_checkpoint_world import (  # rerun on the S3 world below  # noqa
 from tests.workers.checkpoint_world import load_boxes, mismatches
 
 BUCKET = "elastor-test"
+CPU_SLOTS = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
 
 
 @pytest.fixture(scope="module")
 def s3():
-    """The server, with its endpoint and an IAM user's keys in this process's
-    environment (and so in every process the tests start) while the module runs."""
-    server = S3Server.start(BUCKET, REPO)
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    yield server
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    server.stop()
+    """The server, reachable from every process the tests start while the module runs."""
+    with s3_environment(BUCKET, REPO) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -113,20 +106,24 @@ def elastor(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
                           env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", ["missing bucket", "wrong credentials"])
-def test_bad_storage_is_refused_before_training(s3, case):
+def test_bad_storage_is_refused_before_training(s3, case, tmp_path):
     url = f"s3://no-such-bucket/run" if case == "missing bucket" else f"s3://{BUCKET}/run"
     env = {"AWS_SECRET_ACCESS_KEY": "wrong"} if case == "wrong credentials" else {}
     want = ("the bucket does not exist" if case == "missing bucket"
             else "the credentials were refused")
-    for flag in ("--save", "--load"):
-        run = elastor("train", "--recipe", str(TINY), "--layout", "dp1-tp1-pp1", "--steps",
-                      "1", flag, url, env=env, timeout=240)
-        print(f"{case}, {flag}: {run.stderr.strip().splitlines()[-1]}")
+    launch = ("launch", "--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--slots", "1",
+              "--steps", "1", "--save-interval", "1", "--run-dir", str(tmp_path),
+              "--devices", "cpu", "--checkpoint-dir", url)
+    train = ("train", "--recipe", str(TINY), "--layout", "dp1-tp1-pp1", "--steps", "1")
+    for command in ((*train, "--save", url), (*train, "--load", url), launch):
+        run = elastor(*command, env=env, timeout=240)
+        print(f"{case}, elastor {command[0]} {command[-2]}: "
+              f"{run.stderr.strip().splitlines()[-1]}")
         assert run.returncode == 2, run.stdout + run.stderr
         assert want in run.stderr and url.split("/run")[0] in run.stderr
-        assert "step     1" not in run.stdout
+        assert "step     1" not in run.stdout and "step    1/1" not in run.stdout
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +169,7 @@ def test_resume_on_another_layout_cleans_the_partial_step(trained):
     assert_loads(root, 5)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_inspect_and_convert_on_s3_urls(trained, tmp_path):
     root = str(trained["root"])
     shown = elastor("inspect", root, timeout=120)
@@ -180,13 +177,13 @@ def test_inspect_and_convert_on_s3_urls(trained, tmp_path):
     assert f"checkpoint: {root}/step_00000005" in shown.stdout
     assert "step: 5" in shown.stdout and "objects" in shown.stdout
 
-    hf, back = tmp_path / "hf", f"s3://{BUCKET}/from-hf"
-    to_hf = elastor("convert", root, str(hf), "--to", "hf", timeout=300)
+    hf, from_hf = tmp_path / "hf", f"s3://{BUCKET}/from-hf"
+    to_hf = elastor("convert", root, str(hf), "--to", "hf", timeout=600)
     assert to_hf.returncode == 0, to_hf.stdout + to_hf.stderr
-    to_zarr = elastor("convert", str(hf), back, "--to", "zarr", "--recipe", str(TINY),
-                      timeout=300)
+    to_zarr = elastor("convert", str(hf), from_hf, "--to", "zarr", "--recipe", str(TINY),
+                      timeout=600)
     assert to_zarr.returncode == 0, to_zarr.stdout + to_zarr.stderr
-    original, converted = ck.open(root), ck.open(back)
+    original, converted = ck.open(root), ck.open(from_hf)
     weights = [i.name for i in original.tensors() if not i.name.startswith("optimizer.")]
     assert sorted(weights) == sorted(i.name for i in converted.tensors())
     vocab = original.manifest.model["vocab_size"]  # hf cuts the padded rows; import zeroes them
@@ -197,6 +194,23 @@ def test_inspect_and_convert_on_s3_urls(trained, tmp_path):
             saved, back = saved[:vocab], back[:vocab]
         assert torch.equal(saved.to(back.dtype), back), name
 
-    refused = elastor("convert", root, str(tmp_path / "td"), "--to", "torch_dist",
-                      timeout=120)
-    assert refused.returncode == 2 and "local directories only" in refused.stderr
+    # zarr on S3 -> a local torch_dist directory (Megatron-LM's stacked layer keys) ->
+    # zarr on S3 again: every tensor comes back bit for bit.
+    td, again_url = tmp_path / "td", f"s3://{BUCKET}/from-torch-dist"
+    to_td = elastor("convert", from_hf, str(td), "--to", "torch_dist", timeout=600)
+    assert to_td.returncode == 0, to_td.stdout + to_td.stderr
+    assert is_torch_dist(td)
+    from_td = elastor("convert", str(td), again_url, "--to", "zarr", "--recipe", str(TINY),
+                      timeout=600)
+    assert from_td.returncode == 0, from_td.stdout + from_td.stderr
+    again = ck.open(again_url)
+    assert again.manifest.step == converted.manifest.step
+    assert sorted(i.name for i in again.tensors()) == sorted(weights)
+    for name in weights:
+        assert torch.equal(converted.read(name), again.read(name)), name
+
+    refused = elastor("convert", root, f"s3://{BUCKET}/td", "--to", "torch_dist",
+                      timeout=300)
+    print(f"torch_dist to S3: {refused.stderr.strip()}")
+    assert refused.returncode == 2
+    assert "--to torch_dist writes a local directory" in refused.stderr
