@@ -227,11 +227,11 @@ def _with_stored_layer_keys(common: dict, checkpoint_dir) -> dict:
     from elastor_mcore.checkpoint import open as open_checkpoint
 
     metadata = common.get(megatron_dir.CONTENT_METADATA_KEY)
-    if not isinstance(metadata, dict):
-        return common
+    if not isinstance(metadata, dict) or "singleton_local_shards" not in metadata:
+        return common  # not Megatron-LM's metadata (it always names the layer keys)
     per_layer = any(_PER_LAYER_KEY.search(key)
                     for key in open_checkpoint(checkpoint_dir).manifest.tensors)
-    if bool(metadata.get("singleton_local_shards")) != per_layer:
+    if bool(metadata["singleton_local_shards"]) != per_layer:
         log.info("%s holds %s keys; loading it with singleton_local_shards=%s",
                  checkpoint_dir, "per-layer" if per_layer else "stacked layer", per_layer)
         common[megatron_dir.CONTENT_METADATA_KEY] = {**metadata,
