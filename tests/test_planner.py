@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -78,6 +79,16 @@ def test_memory_breakdown_of_a_bf16_stage():
     # 1F1B keeps (stages - position) micro-batches in flight
     first = cost.stage_memory(tp=4, layers=8, position=0, num_stages=4)
     assert first.activations > mem.activations
+
+
+def test_zero1_splits_the_optimizer_state_over_the_pipelines():
+    sharded = dataclasses.replace(LLAMA2_7B, training=dataclasses.replace(
+        LLAMA2_7B.training, distributed_optimizer=True))
+    whole = CostModel(LLAMA2_7B, A100).stage_memory(4, 8, 1, 4, replicas=3)
+    split = CostModel(sharded, A100).stage_memory(4, 8, 1, 4, replicas=3)
+    assert split.optimizer == pytest.approx(whole.optimizer / 3)
+    assert (split.weights, split.gradients, split.activations) == \
+        (whole.weights, whole.gradients, whole.activations)
 
 
 def test_communication_volumes():

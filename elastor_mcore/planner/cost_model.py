@@ -424,7 +424,10 @@ class CostModel:
         return params
 
     def stage_memory(self, tp: int, layers: int, position: int,
-                     num_stages: int) -> MemoryBreakdown:
+                     num_stages: int, replicas: int = 1) -> MemoryBreakdown:
+        """One rank's memory. With ZeRO-1 (``training.distributed_optimizer``) its
+        optimizer state is split over ``replicas``, the pipelines (every pipeline holds
+        each piece once); the search leaves it at 1, an upper bound."""
         first, last = position == 0, position == num_stages - 1
         params = self._stage_params(tp, layers, first, last)
         activations = self.stage_activation_bytes(tp, layers, num_stages - position)
@@ -434,7 +437,8 @@ class CostModel:
         return MemoryBreakdown(
             weights=params * self._param_bytes,
             gradients=params * GRAD_BYTES,
-            optimizer=params * (master + ADAM_MOMENT_BYTES),
+            optimizer=params * (master + ADAM_MOMENT_BYTES)
+            / (replicas if self.recipe.training.distributed_optimizer else 1),
             activations=activations,
             reserved=self.hardware.memory_reserved_gib * GIB)
 

@@ -138,8 +138,9 @@ def predict_memory(settings: RunSettings, recipe: Recipe, groups: RankGroups) ->
         return None
     pos = groups.position
     stage = groups.layout.pipelines[pos.pipeline].stages[pos.stage]
-    m = planner.CostModel(recipe, profile[0]).stage_memory(stage.tp, stage.layers, pos.stage,
-                                                           groups.num_stages)
+    m = planner.CostModel(recipe, profile[0]).stage_memory(
+        stage.tp, stage.layers, pos.stage, groups.num_stages,
+        replicas=len(groups.layout.pipelines))
     return Breakdown(m.weights, m.gradients, m.optimizer, m.activations)
 
 
