@@ -1,7 +1,8 @@
 """Megatron-LM's real ``pretrain_gpt.py`` (patched copy of $MEGATRON_LM_DIR) with Elastor's
 flags, on CPU/gloo under torchrun: uniform layouts, bf16, distributed and plain
-optimizer, async zarr saves resumed under another layout; and Elastor's flags through
-Megatron-LM's own argument parser and validation.
+optimizer, async zarr saves to S3 (``--save s3://``, a real S3 server on 127.0.0.1,
+``tests/s3_server.py``) resumed from there under another layout; and Elastor's flags
+through Megatron-LM's own argument parser and validation.
 
 Noise floor: the same 8 iterations (same weights by ``--use-cpu-initialization``,
 same mock data) trained as TP2 x DP2 with the plain optimizer and as TP1 x DP4
@@ -13,15 +14,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from elastor_mcore.checkpoint import megatron_dir
+from elastor_mcore.checkpoint.location import ObjectPath
 from tests.conftest import REPO, max_relative_difference
 from tests.pretrain_gpt_run import CPU_SHIMS, RUN_ENV, default_args, run_pretrain_gpt
+from tests.s3_server import s3_environment
 
 ITERS, SAVE_AT = 8, 4
 COMMON = ["--global-batch-size", "16", "--train-iters", str(ITERS), "--bf16",
@@ -33,6 +36,8 @@ FLOOR_MIN = 1e-4
 """...or by 1e-4 relative when the floor happens to measure smaller (bf16 has 8 bits)."""
 FLOOR_MAX = 5e-3
 """The floor itself: two uniform layouts of one bf16 run agree to 0.5% per step."""
+BUCKET = "megatron-lm"
+SAVE_URL = f"s3://{BUCKET}/save"
 
 
 def _run(megatron_lm, nproc, args, workdir):
@@ -42,35 +47,33 @@ def _run(megatron_lm, nproc, args, workdir):
     return run
 
 
-def _resume_dir(save: Path, iteration: int, into: Path) -> Path:
-    """A --load directory whose tracker names ``iteration`` (Megatron-LM loads the
-    newest checkpoint; this run saved a later one too)."""
-    name = f"iter_{iteration:07d}"
-    shutil.copytree(save / name, into / name)
-    (into / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    return into
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3 server, reachable from every run of the module (AWS environment)."""
+    with s3_environment(BUCKET, REPO) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
-def uniform_runs(patched_megatron_lm, tmp_path_factory):
+def uniform_runs(patched_megatron_lm, tmp_path_factory, s3):
     """Three 4-rank runs: TP2 x DP2 from --elastor-layout with the plain optimizer and
-    async zarr saves; TP1 x DP4 from Megatron's own flags with the distributed
+    async zarr saves to S3; TP1 x DP4 from Megatron's own flags with the distributed
     optimizer and no Elastor flag (the floor); the first one's iteration-4 checkpoint
-    resumed as TP1 x PP2 x DP2."""
+    resumed from S3 as TP1 x PP2 x DP2."""
     root = tmp_path_factory.mktemp("pretrain_gpt")
     layout_run = _run(patched_megatron_lm, 4, [
         "--elastor-layout", "dp2-tp2-pp1", "--async-save",
-        "--elastor-ckpt-format", "zarr", "--save", str(root / "save"),
+        "--elastor-ckpt-format", "zarr", "--save", SAVE_URL,
         "--save-interval", str(SAVE_AT)], root / "a")
     plain_run = _run(patched_megatron_lm, 4, DISTOPT, root / "c")
     return root, layout_run, plain_run
 
 
 def _resumed_run(patched_megatron_lm, root: Path):
-    load = _resume_dir(root / "save", SAVE_AT, root / "load")
+    """Iteration ``SAVE_AT`` (the tracker names the later one) loaded from S3."""
     return _run(patched_megatron_lm, 4, [
         "--elastor-layout", "dp2-tp1-pp2", "--elastor-ckpt-format", "zarr",
-        "--load", str(load)], root / "b")
+        "--load", SAVE_URL, "--ckpt-step", str(SAVE_AT)], root / "b")
 
 
 @pytest.mark.slow
@@ -87,6 +90,10 @@ def test_layout_derives_megatron_parallel_sizes(uniform_runs):
                                     [plain_run.losses[i] for i in steps])
     print(f"\nnoise floor (TP2xDP2 plain vs TP1xDP4 distopt, {ITERS} steps): {floor:.2e}")
     assert floor <= FLOOR_MAX, (floor, layout_run.losses, plain_run.losses)
+    for it in (SAVE_AT, ITERS):  # the async saves to S3, the tracker after them
+        assert megatron_dir.is_zarr_checkpoint(f"{SAVE_URL}/iter_{it:07d}")
+    tracker = ObjectPath(SAVE_URL) / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == str(ITERS)
 
 
 @pytest.mark.slow
@@ -95,12 +102,6 @@ def test_zarr_saved_async_and_resumed_under_another_layout_continues_the_loss(
         uniform_runs, patched_megatron_lm):
     root, layout_run, plain_run = uniform_runs
     resumed = _resumed_run(patched_megatron_lm, root)
-    from elastor_mcore.checkpoint import megatron_dir
-
-    for it in (SAVE_AT, ITERS):
-        assert megatron_dir.is_zarr_checkpoint(root / "save" / f"iter_{it:07d}")
-    assert (root / "save" / "latest_checkpointed_iteration.txt").read_text().strip() == \
-        str(ITERS)
     steps = list(range(1, ITERS + 1))
     floor = max_relative_difference([layout_run.losses[i] for i in steps],
                                     [plain_run.losses[i] for i in steps])
@@ -189,3 +190,19 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
         tied["error"] and "pass --untie-embeddings-and-output-weights" in tied["error"], tied
     assert ckpt_format["exit"] == 2 and "drop --ckpt-format torch" in ckpt_format["error"]
     assert keep["exit"] == 2 and "--elastor-ckpt-keep=-1" in keep["error"], keep
+
+
+@pytest.mark.timeout(700)
+def test_object_store_save_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
+    """``--save s3://`` only with the zarr format, and without Megatron-LM's local-only
+    ``--save-retain-interval`` and ``--log-progress``: parser errors naming the fix."""
+    url, zarr = f"s3://{BUCKET}/run", ["--elastor-ckpt-format", "zarr"]
+    torch_dist, retain, progress = _check_args(patched_megatron_lm, [
+        (1, ["--save", url, "--save-interval", "2"]),
+        (1, [*zarr, "--save", url, "--save-interval", "2", "--save-retain-interval", "4"]),
+        (1, [*zarr, "--save", url, "--save-interval", "2", "--log-progress"]),
+    ], tmp_path)
+    print("\n" + "\n".join(r["error"] for r in (torch_dist, retain, progress)))
+    assert torch_dist["exit"] == 2 and "add --elastor-ckpt-format zarr" in torch_dist["error"]
+    assert retain["exit"] == 2 and "use --elastor-ckpt-keep N" in retain["error"], retain
+    assert progress["exit"] == 2 and "--log-progress" in progress["error"], progress
