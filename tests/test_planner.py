@@ -92,10 +92,14 @@ def test_zero1_splits_the_optimizer_state_over_the_pipelines():
 
 
 def test_communication_volumes():
-    cost = CostModel(LLAMA2_7B, A100)
+    cost = CostModel(LLAMA2_7B, A100, sequence_parallel=False)
     message = 4096 * 4096 * 2  # one bf16 micro-batch of hidden states
     middle = cost.stage_cost(tp=4, layers=8, position=1, num_stages=3, intra_node=False)
     assert middle.p2p_bytes == 2 * message
+    sp = CostModel(LLAMA2_7B, A100, sequence_parallel=True)
+    rows = sp.stage_cost(tp=4, layers=8, position=1, num_stages=3, intra_node=False)
+    assert rows.p2p_bytes == 2 * message / 4  # each rank sends its quarter of the rows
+    assert rows.p2p_s < middle.p2p_s
     assert middle.tp_comm_bytes == pytest.approx(8 * 4 * 2 * 3 / 4 * message)
     alone = cost.stage_cost(tp=1, layers=32, position=0, num_stages=1, intra_node=True)
     assert alone.p2p_bytes == 0 and alone.tp_comm_bytes == 0 and alone.p2p_s == 0

@@ -195,6 +195,12 @@ class CostModel:
         """One micro-batch's hidden states: what crosses a stage boundary or a TP collective."""
         return self._b * self._s * self._h * self._act_bytes
 
+    def _p2p_message_bytes(self, tp: int) -> float:
+        """What one rank of a TP-``tp`` stage sends (and receives) at a boundary: its
+        sequence rows under SP (the runtime re-splits them at every boundary), the whole
+        hidden states otherwise."""
+        return self._message_bytes / (tp if self.sequence_parallel else 1)
+
     # ----- time -------------------------------------------------------------------------
     def _flops_rate(self, tp: int) -> float:
         return tp * self.hardware.peak_tflops * 1e12 * self.hardware.efficiency(tp)
@@ -316,15 +322,15 @@ class CostModel:
     def output_layer_compute_s(self, tp: int) -> float:
         return 3 * 2 * self._b * self._s * self._h * self._v / self._flops_rate(tp)
 
-    def p2p_s(self, intra_node: bool) -> float:
-        hw = self.hardware
+    def p2p_s(self, intra_node: bool, tp: int = 1) -> float:
+        """One boundary message of a rank of a TP-``tp`` stage."""
+        hw, message = self.hardware, self._p2p_message_bytes(tp)
         if intra_node and hw.p2p_latency_us and hw.p2p_bandwidth_gb_s:
-            return hw.p2p_latency_us * 1e-6 + self._message_bytes / (hw.p2p_bandwidth_gb_s * 1e9)
+            return hw.p2p_latency_us * 1e-6 + message / (hw.p2p_bandwidth_gb_s * 1e9)
         if intra_node:
-            return hw.intra_node_latency_us * 1e-6 + self._message_bytes / (
+            return hw.intra_node_latency_us * 1e-6 + message / (
                 hw.intra_node_bandwidth_gb_s * 1e9)
-        return hw.inter_node_latency_us * 1e-6 + self._message_bytes / (
-            hw.inter_node_bandwidth_gb_s * 1e9)
+        return hw.inter_node_latency_us * 1e-6 + message / (hw.inter_node_bandwidth_gb_s * 1e9)
 
     def _embedding_comm_s(self, tp: int, first: bool, last: bool) -> float:
         count = (TP_COLLECTIVES_EMBEDDING // 2) * first + TP_COLLECTIVES_EMBEDDING * last
@@ -342,12 +348,12 @@ class CostModel:
             return self._memoised(
                 ("fixed", tp, first, last, neighbours, intra_node),
                 lambda: (self._stage_table_s(tp, 0, first, last)
-                         + neighbours * self.p2p_s(intra_node) + block))
+                         + neighbours * self.p2p_s(intra_node, tp) + block))
         return self._memoised(
             ("fixed", tp, first, last, neighbours, intra_node),
             lambda: ((self.output_layer_compute_s(tp) if last else 0.0)
                      + self._embedding_comm_s(tp, first, last)
-                     + neighbours * self.p2p_s(intra_node) + block))
+                     + neighbours * self.p2p_s(intra_node, tp) + block))
 
     def grad_sync_s(self, num_pipelines: int, min_pipeline_gpus: int, intra_node: bool) -> float:
         """Cross-pipeline gradient all-reduce (ring over the pipelines)."""
@@ -472,9 +478,9 @@ class CostModel:
         return StageCost(
             tp=tp, layers=layers, compute_s=compute,
             tp_comm_s=comm + (0.0 if self.tables else self._embedding_comm_s(tp, first, last)),
-            p2p_s=neighbours * self.p2p_s(intra_node),
+            p2p_s=neighbours * self.p2p_s(intra_node, tp),
             tp_comm_bytes=collectives * 2 * (tp - 1) / tp * self._message_bytes,
-            p2p_bytes=neighbours * self._message_bytes,
+            p2p_bytes=neighbours * self._p2p_message_bytes(tp),
             memory=self.stage_memory(tp, layers, position, num_stages))
 
     def step_cost(self, pipelines: list[tuple[int, list[tuple[int, int]]]],
