@@ -70,13 +70,14 @@ TP_COLLECTIVES_EMBEDDING = 2  # vocab-parallel embedding / output layer, forward
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes per GPU of one stage."""
+    """Bytes per GPU of one stage (predicted here, measured by ``runtime.memory``)."""
 
     weights: float
     gradients: float
     optimizer: float
     activations: float
-    reserved: float
+    reserved: float = 0.0
+    """The profile's reserve (none in a measurement)."""
 
     @property
     def total(self) -> float:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from elastor_mcore.planner.cost_model import MemoryBreakdown
+
 
 class _Saved:
     """A saved tensor, releasing its storage's count in the meter when autograd drops it."""
@@ -77,34 +79,20 @@ class SavedTensorMeter:
 
 
 @dataclass(frozen=True)
-class Breakdown:
-    """Bytes by kind, as the planner's ``MemoryBreakdown`` (without its reserve)."""
-
-    weights: float
-    gradients: float
-    optimizer: float
-    activations: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
-
-
-@dataclass(frozen=True)
 class RankMemory:
     """One rank's measured memory after a training step, and the planner's prediction
     for its stage (None without a hardware profile)."""
 
     rank: int
     where: str                      # "P<pipeline>.S<stage>.tp<rank>"
-    measured: Breakdown
+    measured: MemoryBreakdown
     rss_peak: int                   # bytes, the process's high-water resident set
     device_peak: int | None         # bytes, CUDA allocator peak (None on CPU)
-    predicted: Breakdown | None
+    predicted: MemoryBreakdown | None  # without the profile's reserve
 
 
 def measure(model: torch.nn.Module, adamw: torch.optim.Optimizer, grads: list[torch.Tensor],
-            activations_peak: int) -> Breakdown:
+            activations_peak: int) -> MemoryBreakdown:
     """The rank's tensors now: ``grads`` are its gradient buffers, ``adamw`` the AdamW
     whose state is counted (its parameters that are the model's own are weights)."""
     own = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -115,7 +103,7 @@ def measure(model: torch.nn.Module, adamw: torch.optim.Optimizer, grads: list[to
                 optimizer += p.nbytes
             optimizer += sum(v.nbytes for k, v in adamw.state[p].items()
                              if k != "step" and torch.is_tensor(v))
-    return Breakdown(weights=sum(p.nbytes for p in model.parameters()),
+    return MemoryBreakdown(weights=sum(p.nbytes for p in model.parameters()),
                      gradients=sum(g.nbytes for g in grads if g is not None),
                      optimizer=optimizer, activations=activations_peak)
 

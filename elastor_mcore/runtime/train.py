@@ -32,7 +32,8 @@ from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer, Sh
 from elastor_mcore.runtime import memory
 from elastor_mcore.runtime.grad_sync import (GradientSynchronizer, SequenceParallelGrads,
                                              grad_buffer)
-from elastor_mcore.runtime.memory import Breakdown, RankMemory, SavedTensorMeter
+from elastor_mcore.planner.cost_model import MemoryBreakdown
+from elastor_mcore.runtime.memory import RankMemory, SavedTensorMeter
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.model import build_stage_model, initialize_weights
@@ -131,8 +132,10 @@ def predict_step(settings: RunSettings, recipe: Recipe, layout: Layout) -> Predi
                       path)
 
 
-def predict_memory(settings: RunSettings, recipe: Recipe, groups: RankGroups) -> Breakdown | None:
-    """The cost model's memory for this rank's stage (None without a profile)."""
+def predict_memory(settings: RunSettings, recipe: Recipe,
+                   groups: RankGroups) -> MemoryBreakdown | None:
+    """The cost model's memory for this rank's stage, less the profile's reserve (None
+    without a profile)."""
     profile = hardware_profile(settings)
     if profile is None:
         return None
@@ -141,7 +144,7 @@ def predict_memory(settings: RunSettings, recipe: Recipe, groups: RankGroups) ->
     m = planner.CostModel(recipe, profile[0]).stage_memory(
         stage.tp, stage.layers, pos.stage, groups.num_stages,
         replicas=len(groups.layout.pipelines))
-    return Breakdown(m.weights, m.gradients, m.optimizer, m.activations)
+    return replace(m, reserved=0.0)
 
 
 def device_for_rank() -> torch.device:
