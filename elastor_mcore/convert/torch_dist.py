@@ -126,7 +126,8 @@ def torch_dist_to_zarr(src: str | os.PathLike, dst: str | os.PathLike, *,
         if progress:
             progress(done, len(sources), key)
     writer.commit()
-    megatron_dir.write_torch(common, dst / megatron_dir.COMMON_FILE)
+    megatron_dir.write_torch(with_layer_keys(common, per_layer=True),
+                             dst / megatron_dir.COMMON_FILE)
     for key, data in _read_items(reader, {k: io.BytesIO() for k in objects}).items():
         # mcore stores a ShardedObject as torch.save([data]); megatron_dir as data.
         megatron_dir.write_torch(torch.load(io.BytesIO(data), weights_only=False)[0],
@@ -163,6 +164,7 @@ def zarr_to_torch_dist(src: str | os.PathLike, dst: str | os.PathLike, *,
     common_file = as_path(reader.path) / megatron_dir.COMMON_FILE
     common = megatron_dir.read_torch(common_file) if common_file.is_file() \
         else {"iteration": reader.manifest.step}
+    common = with_layer_keys(common, per_layer=not stacked)
     if torch_dist_common_in_dcp():  # where the installed mcore's own save puts it
         state[torch_dist_common_object_key()] = io.BytesIO(torch_dist_common_object(common))
 
@@ -189,6 +191,17 @@ def zarr_to_torch_dist(src: str | os.PathLike, dst: str | os.PathLike, *,
     log.info("converted %s -> %s: %d tensors (%s layer keys), %d objects", reader.path, dst,
              len(outputs), "stacked" if stacked else "per-layer", len(objects))
     return dst
+
+
+def with_layer_keys(common: dict, per_layer: bool) -> dict:
+    """``common`` whose Megatron-LM content metadata names the layer keys written
+    (``singleton_local_shards``): Megatron-LM builds its load request from it, and a
+    conversion changes the form (the zarr side holds per-layer keys)."""
+    metadata = common.get(megatron_dir.CONTENT_METADATA_KEY)
+    if not isinstance(metadata, dict) or "singleton_local_shards" not in metadata:
+        return common  # not Megatron-LM's metadata (it always names the layer keys)
+    return {**common, megatron_dir.CONTENT_METADATA_KEY: {
+        **metadata, "singleton_local_shards": per_layer}}
 
 
 def _stack_plan(reader) -> dict[str, tuple[tuple[int, ...], str, list[tuple[str, tuple]]]]:

@@ -22,7 +22,6 @@ inside ``pretrain``).
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -208,35 +207,9 @@ def _wrap_load(original):
 def _wrap_load_common(original):
     def load_common_state_dict(checkpoint_dir):
         if megatron_dir.is_zarr_checkpoint(checkpoint_dir):
-            return _with_stored_layer_keys(megatron_dir.load_common_state_dict(checkpoint_dir),
-                                           checkpoint_dir)
+            return megatron_dir.load_common_state_dict(checkpoint_dir)
         return original(checkpoint_dir)
     return load_common_state_dict
-
-
-_PER_LAYER_KEY = re.compile(r"(?:^|\.)decoder\.layers\.\d+\.")
-
-
-def _with_stored_layer_keys(common: dict, checkpoint_dir) -> dict:
-    """``common`` with content metadata naming the layer keys the checkpoint holds.
-
-    Megatron-LM builds its load request with the layer keys of the checkpoint's content
-    metadata (``singleton_local_shards``). A torch_dist checkpoint converted by
-    ``elastor convert`` holds per-layer keys but carries its source's metadata, which
-    names stacked ones; the manifest's keys say which form is stored."""
-    from elastor_mcore.checkpoint import open as open_checkpoint
-
-    metadata = common.get(megatron_dir.CONTENT_METADATA_KEY)
-    if not isinstance(metadata, dict) or "singleton_local_shards" not in metadata:
-        return common  # not Megatron-LM's metadata (it always names the layer keys)
-    per_layer = any(_PER_LAYER_KEY.search(key)
-                    for key in open_checkpoint(checkpoint_dir).manifest.tensors)
-    if bool(metadata["singleton_local_shards"]) != per_layer:
-        log.info("%s holds %s keys; loading it with singleton_local_shards=%s",
-                 checkpoint_dir, "per-layer" if per_layer else "stacked layer", per_layer)
-        common[megatron_dir.CONTENT_METADATA_KEY] = {**metadata,
-                                                     "singleton_local_shards": per_layer}
-    return common
 
 
 def _wrap_load_strategy(original):
