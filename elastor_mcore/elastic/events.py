@@ -3,31 +3,12 @@
 Ranks record what only they can time (the checkpoint load, the first step after it,
 an injected failure) with wall-clock timestamps; the supervisor joins them with its own
 records into the recovery timeline. Each event is one ``write`` of one line to a file
-opened for appending, so lines from concurrent ranks never interleave.
+opened for appending, so lines from concurrent ranks never interleave. Writing and
+reading live in ``runtime.rank_hooks`` (ranks read their node's past failures too).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from typing import Any
+from elastor_mcore.runtime.rank_hooks import EVENTS_FILE, append_event, read_events
 
-from elastor_mcore.runtime.rank_hooks import EVENTS_FILE
-
-
-
-def read_events(path: str | os.PathLike, event: str | None = None) -> list[dict[str, Any]]:
-    """Every complete event in the file (optionally only those named ``event``)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a SIGKILL mid-write
-        if event is None or record.get("event") == event:
-            records.append(record)
-    return records
+__all__ = ["EVENTS_FILE", "append_event", "read_events"]

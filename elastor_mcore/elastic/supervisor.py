@@ -159,7 +159,7 @@ def stop_job(proc: subprocess.Popen, worker_pids: Sequence[int]) -> None:
     proc.wait()
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     """Whether ``pid`` is alive (a zombie has exited, its parent has not reaped it yet)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -328,7 +328,7 @@ class Supervisor:
                 break
             beats = read_beats(self._heartbeats(record))
             died = [b.slot for b in beats.values()
-                    if b.step < cfg.settings.steps and not _running(b.pid)]
+                    if b.step < cfg.settings.steps and not process_running(b.pid)]
             if died:  # faster than waiting for torchrun to notice and tear down
                 record.outcome, record.died_slots = "exit", died
                 break

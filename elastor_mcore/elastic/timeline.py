@@ -157,8 +157,13 @@ def table(items: Sequence[Recovery]) -> str:
     for r in items:
         slots = f"{r.slots_before} -> {r.slots_after if r.slots_after is not None else '-'}"
         cells = [r.failure, slots, _fmt(r.resumed_from), _fmt(r.steps_redone)]
-        cells += [_secs(getattr(r, p)) for p in PHASES] + [_secs(r.total_s)]
+        cells += [secs(getattr(r, p)) for p in PHASES] + [secs(r.total_s)]
         rows.append(cells)
+    return markdown_table(header, rows)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell."""
     widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
     lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
@@ -171,5 +176,5 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
-def _secs(value: float | None) -> str:
+def secs(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}s"

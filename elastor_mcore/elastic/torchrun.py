@@ -2,7 +2,9 @@
 
 We never reimplement rendezvous: torchrun (``torch.distributed.run``) in standalone
 mode picks a free port, starts ``nproc`` workers and tears them all down when one
-fails.
+fails; for several nodes, each node runs torch's elastic agent with the c10d
+rendezvous backend (``elastic_agent_command``), which does membership, restarts and
+scale-up.
 
 Stopping is part of launching. Torchrun runs in a session of its own (so a
 terminal's Ctrl-C, which goes to the launcher's foreground process group, reaches
@@ -20,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from elastor_mcore.compat.process import parent_death_preexec
@@ -34,6 +37,35 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str] = ()) -> list[
             module, *args]
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """Torch elastic's c10d rendezvous for a job of several nodes: every node's agent
+    gets the same endpoint and id, and ``nnodes`` as ``MIN:MAX``."""
+
+    endpoint: str
+    """``HOST:PORT``; the agent on HOST hosts the rendezvous store (c10d backend)."""
+    run_id: str
+    nnodes: str
+    max_restarts: int = 3
+    conf: str | None = None
+    """torchrun's ``--rdzv-conf`` (e.g. ``last_call_timeout=5,join_timeout=120``)."""
+    monitor_interval_s: float = 0.5
+
+
+def elastic_agent_command(nproc: int, rdzv: Rendezvous, module: str,
+                          args: Sequence[str] = ()) -> list[str]:
+    """``python -m torch.distributed.run --nnodes MIN:MAX --rdzv-backend c10d ...``: one
+    node's elastic agent, starting ``nproc`` workers at every rendezvous round."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rdzv.nnodes}",
+               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
+               f"--max-restarts={rdzv.max_restarts}",
+               f"--monitor-interval={rdzv.monitor_interval_s}"]
+    if rdzv.conf:
+        command.append(f"--rdzv-conf={rdzv.conf}")
+    return [*command, "--module", module, *args]
+
+
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for workers: one BLAS thread each (the ranks share the cores)."""
     env = dict(os.environ)
@@ -44,11 +76,14 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def start_torchrun(nproc: int, module: str, args: Sequence[str] = (), *,
-                   env: dict[str, str] | None = None, **popen_kwargs) -> subprocess.Popen:
-    """Start a torchrun world in its own session; it gets SIGTERM if we die."""
+                   env: dict[str, str] | None = None, command: list[str] | None = None,
+                   **popen_kwargs) -> subprocess.Popen:
+    """Start a torchrun world (standalone, or ``command``: an elastic agent) in its own
+    session; it gets SIGTERM if we die."""
     return subprocess.Popen(
-        torchrun_command(nproc, module, args), env=worker_env(env), start_new_session=True,
-        preexec_fn=parent_death_preexec(signal.SIGTERM), **popen_kwargs)
+        command or torchrun_command(nproc, module, args), env=worker_env(env),
+        start_new_session=True, preexec_fn=parent_death_preexec(signal.SIGTERM),
+        **popen_kwargs)
 
 
 @contextlib.contextmanager

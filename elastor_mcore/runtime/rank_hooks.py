@@ -42,8 +42,34 @@ def append_event(path: str | os.PathLike, event: str, **fields: Any) -> None:
     finally:
         os.close(fd)
 
+def read_events(path: str | os.PathLike, event: str | None = None) -> list[dict[str, Any]]:
+    """Every complete event in the file (optionally only those named ``event``)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a SIGKILL mid-write
+        if event is None or record.get("event") == event:
+            records.append(record)
+    return records
+
+
 HEARTBEAT_DIR = "heartbeat"
 """The heartbeat files' folder inside a launch directory."""
+
+# A node directory of a multi-node job (``elastic.node``, ``runtime.node_worker``):
+LAUNCHER_EVENTS = "launcher.jsonl"
+"""The node launcher's event log (the agent's lines, hang kills)."""
+ROUNDS_FILE = "rounds.jsonl"
+"""One record per rendezvous round the node took part in (members, plan)."""
+ROUNDS_DIR = "rounds"
+"""``rounds/<R>/``: a round's layout, rank events, heartbeats and metrics."""
+OUTCOME_FILE = "outcome.json"
+"""How the job ended, written by the node's local rank 0 for its launcher."""
 
 
 @dataclass(frozen=True)

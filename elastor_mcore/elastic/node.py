@@ -1,0 +1,249 @@
+"""One node of a multi-node job: run torch's elastic agent for this node's slots and
+watch its workers for hangs.
+
+Torch's agent (``torch.distributed.run --nnodes MIN:MAX --rdzv-backend c10d``) does
+membership, rendezvous, restarts (``--max-restarts``) and scale-up: when a worker
+fails, when a node is lost (its workers' peers fail) or when a node joins, every
+agent stops its workers and the next round starts fresh ones on the nodes present,
+which agree on a layout for the healthy devices (``runtime.rendezvous_round``) and
+resume from the latest committed checkpoint. This launcher adds what torch has not:
+
+- hangs: a worker whose heartbeat stops is SIGKILLed (torch then sees a failure), and
+  its slot counts as dead for the rounds after;
+- the agent's log lines, timestamped as they arrive (detection, rendezvous, start of
+  workers), for the recovery timeline (``node_timeline``);
+- the job's end, as its workers wrote it (finished, or given up with the reason).
+
+Node directory (``<run dir>/nodes/<node>/<K>``, K counting this node's launches: a node
+started again is a repaired node, its slots healthy)::
+
+    agent.log         the agent's and workers' output
+    launcher.jsonl    agent lines and hang kills, timestamped
+    rounds.jsonl      each round this node took part in (members, plan)
+    rounds/<R>/       layout.yaml, events.jsonl, heartbeat/, metrics.jsonl (reporter)
+    outcome.json      written by the workers at the end
+    timeline.json     the rounds and the recoveries between them
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Literal
+
+from elastor_mcore.checkpoint.lease import CheckpointLease
+from elastor_mcore.checkpoint.location import ObjectPath, as_path
+from elastor_mcore.config.failure_plan import Failure, validate
+from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.config.run import RunSettings
+from elastor_mcore.elastic import node_timeline
+from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
+from elastor_mcore.elastic.supervisor import STOP_GRACE_S, process_running, stop_job
+from elastor_mcore.elastic.torchrun import (Rendezvous, elastic_agent_command,
+                                            forwarding_stop_signals, start_torchrun)
+from elastor_mcore.runtime.rank_hooks import (HEARTBEAT_DIR, LAUNCHER_EVENTS, OUTCOME_FILE,
+                                             ROUNDS_DIR, append_event)
+
+log = logging.getLogger(__name__)
+
+WORKER_MODULE = "elastor_mcore.runtime.node_worker"
+
+AGENT_LINES = (
+    ("agent_failed", re.compile(r"Worker group (FAILED|UNHEALTHY)")),
+    ("agent_join", re.compile(r"Detected \d+ new nodes")),
+    ("rendezvous_start", re.compile(r"Rendezvous'ing worker group")),
+    ("rendezvous_done", re.compile(r"Rendezvous complete for workers")),
+    ("workers_start", re.compile(r"Starting worker group")),
+)
+"""The agent's INFO lines (same text in torch 2.13 and 2.14) that time a recovery."""
+PROGRESS = re.compile(r"(step +\d+  loss|step time:|planner:)")
+"""The reporting rank's lines (``runtime.worker.MetricsPrinter``), echoed for people."""
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    settings: RunSettings
+    """What the job trains; the launcher sets save, hardware and elastic paths."""
+    recipe: Recipe
+    hardware_path: Path
+    run_dir: Path
+    node: str
+    """This node's name in the job (unique per node; the hostname by default)."""
+    slots: int
+    rdzv: Rendezvous
+    failures: tuple[Failure, ...] = ()
+    """This node's failure plan; slots are this node's local slots."""
+    hang: HangPolicy = HangPolicy()
+    devices: Literal["cpu", "cuda"] = "cpu"
+    probe_timeout_s: float = 60.0
+    checkpoint_root: str | None = None
+    """A directory or ``s3://`` URL every node reaches (None: ``run_dir/checkpoints``,
+    which must then be shared)."""
+    health_file: str | None = None
+    use_all_slots: bool = False
+    poll_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.slots <= 0:
+            raise ValueError(f"--slots must be positive, got {self.slots}")
+        if self.settings.save_interval <= 0:
+            raise ValueError("save_interval must be positive (recovery resumes from the "
+                             f"latest checkpoint), got {self.settings.save_interval}")
+        validate(self.failures, range(self.slots), self.settings.steps,
+                 self.settings.failure_plan or "failure plan")
+
+    @property
+    def checkpoint_dir(self) -> Path | ObjectPath:
+        if self.checkpoint_root is None:
+            return self.run_dir / "checkpoints"
+        return as_path(self.checkpoint_root)
+
+
+@dataclass
+class NodeOutcome:
+    finished: bool
+    reason: str
+    node_dir: Path
+    exit_code: int | None = None
+    stopped_by: int | None = None
+    timeline: node_timeline.NodeTimeline | None = field(default=None, repr=False)
+
+
+def next_node_dir(run_dir: Path, node: str) -> Path:
+    """``<run dir>/nodes/<node>/<K>``, a new K for every launch of this node."""
+    parent = run_dir / "nodes" / node
+    parent.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name) for p in parent.iterdir() if p.name.isdigit()]
+    path = parent / str(max(taken, default=-1) + 1)
+    path.mkdir()
+    return path
+
+
+class NodeLauncher:
+    """Runs this node's agent to the end of the job; see the module docstring."""
+
+    def __init__(self, config: NodeConfig,
+                 on_message: Callable[[str], None] = log.info) -> None:
+        self.config = config
+        self.on_message = on_message
+        self.node_dir = next_node_dir(config.run_dir, config.node)
+        self.events = self.node_dir / LAUNCHER_EVENTS
+
+    def command(self) -> list[str]:
+        cfg = self.config
+        settings = replace(cfg.settings, save_dir=str(cfg.checkpoint_dir),
+                           hardware=str(cfg.hardware_path), elastic_dir=str(self.node_dir))
+        node_args = ["--node-name", cfg.node, "--node-dir", str(self.node_dir),
+                     "--store-endpoint", cfg.rdzv.endpoint, "--job-id", cfg.rdzv.run_id,
+                     "--devices", cfg.devices, "--probe-timeout", str(cfg.probe_timeout_s)]
+        if cfg.health_file:
+            node_args += ["--health-file", cfg.health_file]
+        if cfg.use_all_slots:
+            node_args.append("--use-all-slots")
+        return elastic_agent_command(cfg.slots, cfg.rdzv, WORKER_MODULE,
+                                     [*settings.to_argv(), *node_args])
+
+    def run(self) -> NodeOutcome:
+        """Run the agent until it exits; the nodes of one job share the checkpoint
+        root's lease (its job id is the rendezvous id)."""
+        cfg = self.config
+        self.on_message(f"node {cfg.node}: {cfg.slots} slots, rendezvous "
+                        f"{cfg.rdzv.endpoint} id {cfg.rdzv.run_id} (nodes {cfg.rdzv.nnodes}); "
+                        f"files in {self.node_dir}")
+        with CheckpointLease(cfg.checkpoint_dir, f"rdzv:{cfg.rdzv.run_id}"):
+            outcome = self._run_agent()
+        outcome.timeline = node_timeline.build(self.node_dir)
+        node_timeline.write_json(self.node_dir / "timeline.json", outcome.timeline)
+        return outcome
+
+    def _run_agent(self) -> NodeOutcome:
+        cfg = self.config
+        # INFO: the agent's lines that time a recovery. Not sharing the rendezvous
+        # store with the workers: with sharing (torch's default), a node joining a
+        # running job waits forever for the worker store's address, which the rank-0
+        # agent publishes only in its first round (torch 2.13, 2.14).
+        env = {"LOGLEVEL": "INFO", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        if cfg.devices == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = os.environ.get(
+                "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(cfg.slots))))
+        proc = start_torchrun(cfg.slots, WORKER_MODULE, command=self.command(), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        reader = threading.Thread(target=self._read_agent, args=(proc,), daemon=True)
+        reader.start()
+        stopped_by = None
+        try:
+            with forwarding_stop_signals(proc) as received:
+                while proc.poll() is None and not received:
+                    self._kill_hung()
+                    time.sleep(cfg.poll_s)
+                if received:
+                    stopped_by = received[0]
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=STOP_GRACE_S)
+        finally:
+            if proc.poll() is None:
+                stop_job(proc, [b.pid for b in self._beats().values()])
+            proc.wait()
+            reader.join(timeout=5)
+        return self._outcome(proc.returncode, stopped_by)
+
+    def _read_agent(self, proc: subprocess.Popen) -> None:
+        """Copy the agent's output to agent.log, timestamping the lines that matter."""
+        with open(self.node_dir / "agent.log", "wb") as out:
+            for raw in proc.stdout:
+                out.write(raw)
+                out.flush()
+                line = raw.decode(errors="replace")
+                if PROGRESS.match(line):
+                    self.on_message(f"node {self.config.node}: {line.strip()}")
+                for event, pattern in AGENT_LINES:
+                    if pattern.search(line):
+                        append_event(self.events, event, line=line.strip()[-300:])
+
+    def _current_round(self) -> Path | None:
+        rounds = [p for p in (self.node_dir / ROUNDS_DIR).glob("*") if p.name.isdigit()]
+        return max(rounds, key=lambda p: int(p.name), default=None)
+
+    def _beats(self):
+        current = self._current_round()
+        return read_beats(current / HEARTBEAT_DIR) if current else {}
+
+    def _kill_hung(self) -> None:
+        """SIGKILL this round's silent workers; torch sees a failed worker and the
+        next round counts the slot dead (``hang_killed`` in launcher.jsonl)."""
+        cfg = self.config
+        now = time.time()
+        for slot, beat in self._beats().items():
+            if not process_running(beat.pid):
+                continue
+            if cfg.hang.silent_slots([slot], {slot: beat}, beat.time, now, cfg.settings.steps):
+                append_event(self.events, "hang_killed", slot=slot, pid=beat.pid,
+                             silent_s=now - beat.time, step=beat.step)
+                self.on_message(f"node {cfg.node}: slot {slot} sent no heartbeat for "
+                                f"{now - beat.time:.0f}s (step {beat.step}): hung; killed, "
+                                f"and counted dead from the next round")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(beat.pid, signal.SIGKILL)
+
+    def _outcome(self, code: int, stopped_by: int | None) -> NodeOutcome:
+        if stopped_by is not None:
+            name = signal.Signals(stopped_by).name
+            return NodeOutcome(False, f"stopped by {name}", self.node_dir, code, stopped_by)
+        path = self.node_dir / OUTCOME_FILE
+        if path.is_file():
+            data = json.loads(path.read_text())
+            return NodeOutcome(data["finished"], data["reason"], self.node_dir, code)
+        return NodeOutcome(
+            False, f"the elastic agent exited with code {code} without the job ending (its "
+                   f"restarts, --max-restarts {self.config.rdzv.max_restarts}, are used up, "
+                   f"or the rendezvous closed); see {self.node_dir}/agent.log",
+            self.node_dir, code)

@@ -1,0 +1,54 @@
+"""Whether CUDA devices still work: a small kernel per device, in a subprocess under a
+timeout, so a wedged device or driver stalls only its probe, never the caller.
+
+Standard library only: the single-host supervisor (``elastic.probe``) probes the
+survivors with it, and a rank of a multi-node round (``runtime.rendezvous_round``)
+its own device.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Iterable
+
+log = logging.getLogger(__name__)
+
+CUDA_PROBE = (
+    "import torch\n"
+    "x = torch.arange(1 << 20, device=torch.device('cuda', 0), dtype=torch.float32)\n"
+    "assert float((x * 2).sum()) == float(x.sum()) * 2\n"
+    "torch.cuda.synchronize()\n")
+"""Allocate, compute and synchronise on the one visible device."""
+
+
+def probe_cuda(devices: Iterable[int], timeout_s: float = 60.0,
+               script: str = CUDA_PROBE) -> list[int]:
+    """Devices whose probe succeeded within ``timeout_s``; all probes run in parallel."""
+    procs = {}
+    for device in devices:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device))
+        procs[device] = subprocess.Popen([sys.executable, "-c", script], env=env,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs.values()):
+        time.sleep(0.05)
+    alive = []
+    for device, proc in procs.items():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            log.warning("device %d: probe did not finish in %.0f s; counted dead",
+                        device, timeout_s)
+        elif proc.returncode == 0:
+            alive.append(device)
+        else:
+            err = proc.stderr.read().decode(errors="replace").strip().splitlines()
+            log.warning("device %d: probe failed (exit %d): %s", device, proc.returncode,
+                        err[-1] if err else "")
+        proc.stderr.close()
+    return sorted(alive)
