@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from elastor_mcore.elastic.torchrun import run_torchrun
+from tests import train_world as shared_world
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes" / "tiny-llama.yaml"
@@ -76,6 +77,24 @@ def write_tiny_recipe(path: Path, optimizer: dict | None = None, **training) -> 
 def max_relative_difference(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="session")
+def train_world(request, tmp_path_factory) -> dict[str, Path]:
+    """One torchrun world for the cases of every collected module that defines
+    ``train_world_part`` (``tests/train_world.py``); each module's directory by its
+    ``__name__``."""
+    modules = {item.module.__name__: item.module for item in request.session.items
+               if hasattr(item.module, "train_world_part")}
+    root = tmp_path_factory.mktemp("train-world")
+    dirs = {name: root / shared_world.module_dir_name(name) for name in sorted(modules)}
+    for directory in dirs.values():
+        directory.mkdir()
+    parts = {name: modules[name].train_world_part(dirs[name]) for name in dirs}
+    run_world(shared_world.WORLD_SIZE, shared_world.WORKER,
+              ["--recipe", str(TINY), *shared_world.world_args(root, parts)],
+              timeout=shared_world.TIMEOUT)
+    return dirs
 
 
 @pytest.fixture(scope="session")

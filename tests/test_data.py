@@ -479,7 +479,7 @@ def test_resume_on_an_edited_corpus_is_refused_unless_allowed(corpus, tmp_path):
     directory = tmp_path / "corpus"
     _write_corpus(directory, files=1, documents=60, seed=3)
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
-    common = ("--recipe", str(TINY), "--layout", "dp1-tp2-pp1", "--data", str(directory),
+    common = ("--recipe", str(TINY), "--layout", "dp1-tp1-pp1", "--data", str(directory),
               "--tokenizer", corpus.tokenizer, "--no-async-save", "--save", str(ckpt))
     result = _elastor("train", *common, "--steps", "2", "--metrics-out", str(metrics))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,7 +1,7 @@
 """ZeRO-1 across heterogeneous replica sets (``runtime/distributed_optimizer.py``).
 
-One 7-rank torchrun world (``workers/distributed_optimizer.py``) runs tiny-llama with
-a warm-up + cosine schedule and ``clip_grad`` low enough that every step clips:
+The layout-training modules' shared world (``tests/train_world.py``) runs tiny-llama
+with a warm-up + cosine schedule and ``clip_grad`` low enough that every step clips:
 
 * with and without the distributed optimizer, on a uniform bf16 layout, a
   heterogeneous bf16 layout (crossed TP splits) and a three-pipeline fp32 layout: the
@@ -30,8 +30,8 @@ from elastor_mcore.config.yaml_file import read_yaml_file
 from elastor_mcore.geometry import Box, Cell
 from elastor_mcore.runtime.distributed_optimizer import row_cuts, shard_buckets
 from elastor_mcore.runtime.optimizer import lr_scheduler
-from tests.conftest import TINY, layout_arg, max_relative_difference, run_world, \
-    write_tiny_recipe
+from tests.conftest import TINY, layout_arg, max_relative_difference, write_tiny_recipe
+from tests.train_world import TIMEOUT, TrainWorldPart
 
 SCHEDULE = {"lr_decay_style": "cosine", "lr_warmup_iters": 2, "lr_decay_iters": 8,
             "min_lr": 3.0e-5}
@@ -50,9 +50,7 @@ def write_recipe(path: Path, params_dtype: str, zero: bool) -> Path:
                              lr_schedule=SCHEDULE, distributed_optimizer=zero)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("zero1")
+def train_world_part(out: Path) -> TrainWorldPart:
     ck = out / "checkpoints"
     recipes = {(dtype, zero): write_recipe(out / f"{dtype}-{zero}.yaml", dtype, zero)
                for dtype in ("float32", "bfloat16") for zero in (False, True)}
@@ -67,13 +65,13 @@ def world(tmp_path_factory) -> Path:
               f"load={ck / 'crossed-bf16-True'},verify",
               f"plain-to-zero={layout_arg('three-pipelines-uneven')}:{RESUMED_STEPS},"
               f"recipe={recipes['bfloat16', True]},load={ck / 'uniform-bf16-False'},verify"]
-    args = ["--out", str(out)]
-    for case in cases:
-        args += ["--case", case]
-    args += ["--native-check", "three-pipelines-fp32-True",
-             "--memory", "crossed-bf16-False", "--memory", "crossed-bf16-True"]
-    run_world(7, "tests.workers.distributed_optimizer", args, timeout=900)
-    return out
+    return TrainWorldPart(cases, memory=["crossed-bf16-False", "crossed-bf16-True"],
+                          native_check=["three-pipelines-fp32-True"])
+
+
+@pytest.fixture(scope="module")
+def world(train_world) -> Path:
+    return train_world[__name__]
 
 
 def metrics(world: Path, name: str) -> list[dict]:
@@ -103,7 +101,7 @@ def rank_weights(world: Path, name: str) -> dict[str, list]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_losses_and_weights_are_bit_identical_with_and_without_zero1(world, name):
     plain, zero = metrics(world, f"{name}-False"), metrics(world, f"{name}-True")
@@ -124,7 +122,7 @@ def test_losses_and_weights_are_bit_identical_with_and_without_zero1(world, name
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT)
 def test_sharded_and_unsharded_checkpoints_hold_the_same_global_fp32_state(world):
     """The ZeRO-1 save wrote each global tensor whole (from owned boxes) and equal, bit
     for bit, to the unsharded run's: fp32 main parameters and both moments."""
@@ -146,7 +144,7 @@ def test_sharded_and_unsharded_checkpoints_hold_the_same_global_fp32_state(world
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("case, saved", [("zero-to-plain", "crossed-bf16-True"),
                                          ("plain-to-zero", "uniform-bf16-False")])
 def test_resume_across_sharding_and_layouts_is_bit_exact(world, case, saved):
@@ -162,7 +160,7 @@ def test_resume_across_sharding_and_layouts_is_bit_exact(world, case, saved):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT)
 def test_both_resumes_continue_the_same_run(world):
     """Both continue the same run (saved under two layouts, so bf16 noise apart),
     under other layouts and sharding: the same losses within bf16's tolerance."""
@@ -174,7 +172,7 @@ def test_both_resumes_continue_the_same_run(world):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT)
 def test_native_reduce_scatter_matches_the_emulation_to_rounding(world):
     """The NCCL path (``reduce_scatter_tensor`` of the padded buffer), run on gloo:
     the same sums up to float32 rounding (another summation order over three
@@ -205,7 +203,7 @@ def scheduled_lrs() -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(TIMEOUT)
 def test_optimizer_state_bytes_per_rank_fall_by_the_replica_count(world):
     ranks = range(6)  # the crossed layout's ranks
     plain = [json.loads((world / "crossed-bf16-False" / f"memory.rank{r}.json").read_text())

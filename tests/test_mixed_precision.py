@@ -1,7 +1,7 @@
 """Mixed precision as Megatron runs it, and the lr schedule across resumes.
 
-One 7-rank torchrun world (``workers/train_matrix.py``) runs tiny-llama with a
-warm-up + cosine schedule:
+The layout-training modules' shared world (``tests/train_world.py``) runs tiny-llama
+with a warm-up + cosine schedule:
 
 * fp32: an uninterrupted run, and a run saved under one layout and resumed under
   another: every step's lr equals the uninterrupted run's, losses within fp32's 1e-5;
@@ -24,8 +24,8 @@ from elastor_mcore import checkpoint
 from elastor_mcore.config.recipe import RecipeError, recipe_from_dict
 from elastor_mcore.config.yaml_file import read_yaml_file
 from elastor_mcore.runtime.optimizer import StageOptimizer
-from tests.conftest import TINY, layout_arg, max_relative_difference, run_world, \
-    write_tiny_recipe
+from tests.conftest import TINY, layout_arg, max_relative_difference, write_tiny_recipe
+from tests.train_world import TIMEOUT, TrainWorldPart
 
 SCHEDULE = {"lr_decay_style": "cosine", "lr_warmup_iters": 2, "lr_decay_iters": 8,
             "min_lr": 3.0e-5}
@@ -46,9 +46,7 @@ def write_recipe(path: Path, params_dtype: str) -> Path:
     return write_tiny_recipe(path, params_dtype=params_dtype, lr_schedule=SCHEDULE)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("precision")
+def train_world_part(out: Path) -> TrainWorldPart:
     ck = out / "checkpoints"
     fp32 = write_recipe(out / "fp32.yaml", "float32")
     bf16 = write_recipe(out / "bf16.yaml", "bfloat16")
@@ -64,11 +62,12 @@ def world(tmp_path_factory) -> Path:
     cases += [f"fp32-to-bf16={layout_arg('tp2-to-tp1')}:{LR_RESUME_AT + 2},recipe={bf16},"
               f"load={ck / 'fp32'},verify",
               f"bf16-to-fp32=dp1-tp2-pp1:{STEPS + 2},recipe={fp32},load={ck / 'bf16'},verify"]
-    args = ["--out", str(out)]
-    for case in cases:
-        args += ["--case", case]
-    run_world(7, "tests.workers.train_matrix", args, timeout=1200)
-    return out
+    return TrainWorldPart(cases)
+
+
+@pytest.fixture(scope="module")
+def world(train_world) -> Path:
+    return train_world[__name__]
 
 
 def metrics(world: Path, name: str) -> list[dict]:
@@ -85,7 +84,7 @@ def global_state(files: list[Path]) -> dict[str, torch.Tensor]:
     return full
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(TIMEOUT)
 def test_lr_continues_exactly_across_a_resume_under_another_layout(world):
     reference = metrics(world, "lr-reference")
     resumed = metrics(world, "lr-first") + metrics(world, "lr-second")
@@ -97,7 +96,7 @@ def test_lr_continues_exactly_across_a_resume_under_another_layout(world):
                                    [m["loss"] for m in reference]) <= FP32_TOLERANCE
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("name", BF16_HETERO)
 def test_bf16_heterogeneous_layout_matches_uniform(world, name):
     uniform = [m["loss"] for m in metrics(world, f"bf16-{BF16_UNIFORM[0]}")]
@@ -114,7 +113,7 @@ def test_bf16_heterogeneous_layout_matches_uniform(world, name):
     assert losses != fp32  # bf16 arithmetic really ran
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("case, saved", [("fp32-to-bf16", "fp32"), ("bf16-to-fp32", "bf16")])
 def test_other_precision_resumes_the_fp32_state_bit_exact(world, case, saved):
     expected = global_state(sorted((world / "checkpoints" / f"{saved}.state").glob("rank*.pt")))
@@ -128,7 +127,7 @@ def test_other_precision_resumes_the_fp32_state_bit_exact(world, case, saved):
     assert {t.dtype for t in info.tensors.values()} == {"float32"}
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(TIMEOUT)
 def test_resumes_across_precisions_continue_the_run(world):
     reference = metrics(world, "lr-reference")
     fp32_to_bf16 = metrics(world, "fp32-to-bf16")

@@ -27,10 +27,10 @@ import yaml
 
 import torch
 
-from tests.conftest import (TINY, assemble_weights, layout_arg, load_losses,
-                            max_relative_difference, run_world, write_tiny_recipe)
+from tests.conftest import (assemble_weights, layout_arg, load_losses,
+                            max_relative_difference, write_tiny_recipe)
+from tests.train_world import TIMEOUT, WORLD_SIZE, TrainWorldPart
 
-WORLD = 8
 LAYERS = 8
 MICRO_BATCHES = 16
 TP_CHOICES = (1, 2, 4)
@@ -50,7 +50,7 @@ def split(total: int, parts: int, rng: random.Random) -> list[int]:
 
 
 def random_layout(seed: int) -> dict:
-    """A valid layout on at most ``WORLD`` ranks, ranks drawn in random order."""
+    """A valid layout on at most ``WORLD_SIZE`` ranks, ranks drawn in random order."""
     rng = random.Random(seed)
     while True:
         pipelines = rng.randint(1, 3)
@@ -60,9 +60,9 @@ def random_layout(seed: int) -> dict:
             shapes.append([(rng.choices(TP_CHOICES, TP_WEIGHTS)[0], layers)
                            for layers in split(LAYERS, stages, rng)])
         used = sum(tp for shape in shapes for tp, _ in shape)
-        if used <= WORLD:
+        if used <= WORLD_SIZE:
             break
-    ranks = rng.sample(range(WORLD), used)  # a random permutation; the rest stay idle
+    ranks = rng.sample(range(WORLD_SIZE), used)  # a random permutation; the rest stay idle
     layout = {"pipelines": []}
     for shape, micro in zip(shapes, split(MICRO_BATCHES, pipelines, rng)):
         stages = []
@@ -87,9 +87,7 @@ RECOMPUTE_SEEDS = dict(zip(RECOMPUTE, SEEDS[1:]))
 """Each recomputation runs on one random layout, against that layout's own run."""
 
 
-@pytest.fixture(scope="module")
-def random_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("random-layouts")
+def train_world_part(out: Path) -> TrainWorldPart:
     cases = [f"reference=dp1-tp1-pp1:{STEPS}"]
     for seed in SEEDS:
         path = out / f"layout-{seed}.yaml"
@@ -102,11 +100,13 @@ def random_runs(tmp_path_factory):
         recipe = write_tiny_recipe(out / f"{name}.yaml", **settings)
         seed = RECOMPUTE_SEEDS[name]
         cases.append(f"recompute-{name}={out / f'layout-{seed}.yaml'}:{STEPS},recipe={recipe}")
+    return TrainWorldPart(cases)
+
+
+@pytest.fixture(scope="module")
+def random_runs(train_world) -> Path:
     print(f"random layouts: base seed {BASE_SEED} (replay: ELASTOR_LAYOUT_SEED={BASE_SEED})")
-    run_world(WORLD, "tests.workers.train_matrix",
-              ["--recipe", str(TINY), "--out", str(out),
-               *[arg for case in cases for arg in ("--case", case)]], timeout=1500)
-    return out
+    return train_world[__name__]
 
 
 def rank_shards(run: Path) -> list[tuple[str, tuple, torch.Tensor]]:
@@ -120,7 +120,7 @@ def box(full: torch.Tensor, offset: tuple, tensor: torch.Tensor) -> torch.Tensor
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1600)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("name", SEQUENCE_PARALLEL)
 def test_sequence_parallel_matches_one_process(random_runs, name):
     reference = load_losses(random_runs / "reference" / "metrics.json")
@@ -138,7 +138,7 @@ def test_sequence_parallel_matches_one_process(random_runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1600)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("name", RECOMPUTE)
 def test_recompute_is_bit_identical(random_runs, name):
     seed = RECOMPUTE_SEEDS[name]
@@ -151,7 +151,7 @@ def test_recompute_is_bit_identical(random_runs, name):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1600)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}" for s in SEEDS])
 def test_random_layout_matches_one_process(random_runs, seed):
     layout = (random_runs / f"layout-{seed}.yaml").read_text()

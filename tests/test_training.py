@@ -1,8 +1,8 @@
 """Layout independence: every layout trains to the single-process losses and weights,
 and a checkpoint saved under one layout loads bit-exact under any other.
 
-One 8-rank torchrun world runs the whole matrix (ranks a layout does not use sit
-idle), so the suite pays the world's start-up once:
+The matrix runs in the 8-rank world the layout-training modules share
+(``tests/train_world.py``; ranks a layout does not use sit idle):
 
 * the single-process reference (8 steps) and four uniform layouts (4 steps);
 * eight heterogeneous layouts (8 steps), each saving its final state;
@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import LAYOUTS, TINY, assemble_weights, layout_arg, load_losses, \
-    max_relative_difference, run_world
+from tests.conftest import LAYOUTS, assemble_weights, layout_arg, load_losses, \
+    max_relative_difference
+from tests.train_world import TIMEOUT, TrainWorldPart
 
 REFERENCE_STEPS = 8
 UNIFORM = ["dp2-tp2-pp2", "dp1-tp4-pp1", "dp1-tp1-pp4", "dp4-tp1-pp1"]
@@ -42,9 +43,7 @@ RESHARD_PAIRS = [  # (saved by, loaded under): uniform <-> hetero, hetero <-> he
 RESUME = ("unequal-micro-batches", "three-pipelines-uneven", 4)
 
 
-@pytest.fixture(scope="module")
-def matrix(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("matrix")
+def train_world_part(out: Path) -> TrainWorldPart:
     ckpt = out / "checkpoints"
     savers = {a for a, _ in RESHARD_PAIRS}
     cases = [f"reference=dp1-tp1-pp1:{REFERENCE_STEPS}"]
@@ -58,18 +57,19 @@ def matrix(tmp_path_factory) -> Path:
     first, second, at = RESUME
     cases += [f"resume-first={layout_arg(first)}:{at},save={ckpt / 'resume'}",
               f"resume-second={layout_arg(second)}:{REFERENCE_STEPS},load={ckpt / 'resume'}"]
-    args = ["--recipe", str(TINY), "--out", str(out)]
-    for case in cases:
-        args += ["--case", case]
-    run_world(8, "tests.workers.train_matrix", args, timeout=1500)
-    return out
+    return TrainWorldPart(cases)
+
+
+@pytest.fixture(scope="module")
+def matrix(train_world) -> Path:
+    return train_world[__name__]
 
 
 def test_matrix_has_at_least_eight_heterogeneous_layouts():
     assert len(HETEROGENEOUS) >= 8
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("name", UNIFORM)
 def test_uniform_layout_matches_single_process(matrix, name):
     reference = load_losses(matrix / "reference" / "metrics.json")
@@ -78,7 +78,7 @@ def test_uniform_layout_matches_single_process(matrix, name):
     assert max_relative_difference(losses, reference[:len(losses)]) <= TOLERANCE
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("name", HETEROGENEOUS)
 def test_heterogeneous_layout_matches_single_process(matrix, name):
     reference = load_losses(matrix / "reference" / "metrics.json")
@@ -115,7 +115,7 @@ def saved_state(directory: Path) -> dict[str, torch.Tensor]:
     return full
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("saved, loaded", RESHARD_PAIRS)
 def test_reshard_loads_every_shard_bit_exact(matrix, saved, loaded):
     """Each shard loaded under another layout equals, byte for byte, its slice of what the
@@ -142,7 +142,7 @@ def test_reshard_loads_every_shard_bit_exact(matrix, saved, loaded):
         assert mask.all(), f"{key}: part of it is held by no rank after the load"
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(TIMEOUT)
 def test_resume_under_another_layout_matches_uninterrupted(matrix):
     _, _, at = RESUME
     reference = load_losses(matrix / "reference" / "metrics.json")

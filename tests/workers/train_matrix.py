@@ -1,7 +1,7 @@
 """Test worker: train, save, load and verify several layouts in one torchrun world.
 
-Starting a world costs seconds per rank here (mcore imports), so the layout matrix
-shares one. Each ``--case NAME=LAYOUT:STEPS[,recipe=PATH][,save=DIR][,load=DIR][,verify]``:
+Starting a world costs seconds per rank here (mcore imports), so the test modules
+that train layouts share one (``tests/train_world.py``). Each ``--case NAME=LAYOUT:STEPS[,recipe=PATH][,save=DIR][,load=DIR][,verify]``:
 
 * loads its recipe (``recipe``, else ``--recipe``: cases may differ in precision, so an
   fp32 checkpoint can be resumed in bf16 and back) and sets up the layout (ranks it
@@ -16,7 +16,21 @@ shares one. Each ``--case NAME=LAYOUT:STEPS[,recipe=PATH][,save=DIR][,load=DIR][
   local shards with ``torch.save`` to ``DIR.state/rank<r>.pt``: what the saving ranks
   held, independent of the checkpoint's read path, for the resharding test.
 
-Shard files hold ``[(key, global_shape, global_offset, tensor), ...]``.
+Shard files hold ``[(key, global_shape, global_offset, tensor), ...]``. A case's name
+may be a relative path (``tests/train_world.py`` puts each test module's cases in a
+directory of its own).
+
+Two measurements follow a case's training (the ZeRO-1 tests):
+
+* ``--memory NAME``: every rank of case NAME writes ``<out>/<NAME>/memory.rank<r>.json``:
+  what ``elastor train --report-memory`` prints for it (bytes of fp32 main parameters
+  and moments its optimizer holds, measured on its tensors; its parameter count; the
+  formula, ``12 * numel / replicas`` under ZeRO-1) and under ZeRO-1 the plan's owned
+  bytes;
+* ``--native-check NAME``: after ZeRO-1 case NAME, every rank reduces the last step's
+  gradients again both ways (``DistributedOptimizer.reduce``: gloo's all-reduce
+  emulation, and ``reduce_scatter_tensor`` on the padded buffer, the NCCL path) and
+  writes how far they differ to ``<out>/<NAME>/native.rank<r>.json``.
 """
 
 import argparse
@@ -28,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from elastor_mcore import checkpoint
+from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer, planned_state_bytes
 from elastor_mcore.runtime.state import chunk_policy, manifest_fields, state_shards
 from elastor_mcore.compat import cpu
 from elastor_mcore.data.samples import SyntheticTokens
@@ -35,7 +50,7 @@ from elastor_mcore.parallel.groups import GroupCache
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.parallel.shards import sharded_tensors
-from elastor_mcore.runtime.train import resume, setup_stage, train_steps
+from elastor_mcore.runtime.train import optimizer_memory, resume, setup_stage, train_steps
 
 
 def parse_case(spec: str) -> dict:
@@ -88,18 +103,52 @@ def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root
     return runner
 
 
+def measure_memory(runner, out: Path) -> None:
+    """What ``--report-memory`` reports (``train.optimizer_memory``, collective), and
+    under ZeRO-1 the plan's owned bytes."""
+    rank = dist.get_rank()
+    mine = next(m for m in optimizer_memory(runner) if m.rank == rank)
+    report = {"state_bytes": mine.state_bytes, "params": mine.params,
+              "formula_bytes": mine.expected_bytes, "sharded": mine.sharded}
+    if isinstance(runner.optimizer, DistributedOptimizer):
+        report["planned_bytes"] = planned_state_bytes(runner.optimizer.plan.buckets, rank)[0]
+    (out / f"memory.rank{rank}.json").write_text(json.dumps(report))
+
+
+def check_native_reduce(runner, out: Path) -> None:
+    optimizer = runner.optimizer
+    optimizer.reduce(native=False)
+    emulated = [g.clone() for g in optimizer.owned_grads()]
+    optimizer.reduce(native=True)
+    native = optimizer.owned_grads()
+    flat_e = torch.cat([g.reshape(-1) for g in emulated])
+    flat_n = torch.cat([g.reshape(-1) for g in native])
+    report = {"elements": flat_e.numel(), "differing": int((flat_e != flat_n).sum()),
+              "max_abs_diff": float((flat_e - flat_n).abs().max()),
+              "max_abs": float(flat_e.abs().max())}
+    (out / f"native.rank{dist.get_rank()}.json").write_text(json.dumps(report))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default=None, help="for cases without recipe=PATH")
     parser.add_argument("--out", required=True)
     parser.add_argument("--case", action="append", required=True)
+    parser.add_argument("--memory", action="append", default=[])
+    parser.add_argument("--native-check", action="append", default=[])
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     cpu.apply()
     dist.init_process_group("gloo")
     cache = GroupCache()
+    out = Path(args.out)
     for spec in args.case:
-        run_case(parse_case(spec), args.recipe, cache, Path(args.out))
+        case = parse_case(spec)
+        runner = run_case(case, args.recipe, cache, out)
+        if runner is not None and case["name"] in args.memory:
+            measure_memory(runner, out / case["name"])
+        if runner is not None and case["name"] in args.native_check:
+            check_native_reduce(runner, out / case["name"])
     dist.destroy_process_group()
 
 
