@@ -51,6 +51,7 @@ from elastor_mcore.parallel.groups import GroupCache, install
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
 from elastor_mcore.planner import load_hardware, write_hardware
 from elastor_mcore.planner.calibration import link_profile, measured_profile, provenance
+from elastor_mcore.runtime.memory import SavedTensorMeter
 from elastor_mcore.runtime.train import StageRunner, device_for_rank, setup_stage
 from elastor_mcore.runtime.worker import init_distributed
 
@@ -125,18 +126,12 @@ class StageBench:
             self.step()
 
     def saved_bytes(self) -> int:
-        """Bytes autograd keeps for backward during one forward (each storage once)."""
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        """Bytes autograd keeps for backward during one forward, as ``--report-memory``
+        counts them (each storage once; the parameters it saves are the state's)."""
+        with SavedTensorMeter(self.runner.model) as meter:
             out = self.forward()
         self.backward(out)
-        return sum(seen.values())
+        return meter.peak
 
     def state_bytes(self) -> int:
         """Weights, fp32 gradients and optimizer state (fp32 main parameters and moments,
