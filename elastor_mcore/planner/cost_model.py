@@ -44,10 +44,12 @@ Memory per GPU: weights (params dtype), fp32 gradients, optimizer state (fp32 ma
 copy when params are bf16, two Adam moments), activations of the micro-batches 1F1B
 keeps in flight at the stage (``stages - position``; the planner keeps at least as many
 micro-batches as stages), embedding on the first stage, output layer and fp32 logits on
-the last, and the profile's reserved memory. With measured tables, the memory one more
-layer costs (which bounds a stage's layers) is the measured state plus the measured
-saved activations per in-flight micro-batch. Sequence parallelism (the recipe's
-``training.sequence_parallel`` unless the caller says otherwise) splits the norms'
+the last, and the profile's reserved memory. With measured tables, a stage's
+activations are the measured saved activations (layers, embedding, output layer and
+loss, as ``--report-memory`` counts them) per in-flight micro-batch, unless full
+recomputation changes what is kept; the memory one more layer costs (which bounds a
+stage's layers) is the measured state plus those activations. Sequence parallelism (the
+recipe's ``training.sequence_parallel`` unless the caller says otherwise) splits the norms'
 activations by TP; full recomputation keeps only each recomputed chunk's input per
 in-flight micro-batch, plus one chunk's activations while it is recomputed.
 """
@@ -437,9 +439,15 @@ class CostModel:
         each piece once); the search leaves it at 1, an upper bound."""
         first, last = position == 0, position == num_stages - 1
         params = self._stage_params(tp, layers, first, last)
-        activations = self.stage_activation_bytes(tp, layers, num_stages - position)
-        if last:
-            activations += self._b * self._s * self._v / tp * LOGIT_BYTES
+        in_flight = num_stages - position
+        if (self.tables and tp in self.tables.activation_mib
+                and self.recipe.training.recompute_granularity != "full"):
+            activations = in_flight * self.tables.activation_mib[tp].total(
+                layers, first, last) * 2**20
+        else:
+            activations = self.stage_activation_bytes(tp, layers, in_flight)
+            if last:
+                activations += self._b * self._s * self._v / tp * LOGIT_BYTES
         master = self._state_bytes_per_param - self._param_bytes - GRAD_BYTES - ADAM_MOMENT_BYTES
         return MemoryBreakdown(
             weights=params * self._param_bytes,
@@ -452,7 +460,7 @@ class CostModel:
     def max_layers(self, tp: int, position: int, num_stages: int) -> int:
         """Most layers a stage can hold in memory (0 if not even its fixed part fits)."""
         first, last = position == 0, position == num_stages - 1
-        fixed = self._memoised(("fixed_bytes", tp, first, last), lambda: (
+        fixed = self._memoised(("fixed_bytes", tp, first, last, num_stages - position), lambda: (
             self.stage_memory(tp, 0, position, num_stages).total
             - self.hardware.memory_reserved_gib * GIB))
         per_layer = self._memoised(("layer_bytes", tp, num_stages - position),
