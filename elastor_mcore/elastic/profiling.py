@@ -95,22 +95,33 @@ def describe(profile: HardwareProfile, recipe: Recipe) -> str:
             f"TP {list(tables.tp_sizes)}")
 
 
+def unmeasured(profile: HardwareProfile) -> tuple[float, float, int]:
+    """What a measurement keeps of the profile it starts from and the planner depends
+    on: memory per GPU, its reserve, GPUs per node."""
+    return profile.memory_per_gpu_gib, profile.memory_reserved_gib, profile.gpus_per_node
+
+
 def choose_profile(run_dir: Path, recipe_path: str, recipe: Recipe, given: Path,
                    device: Device, measure_missing: bool,
                    on_line: Callable[[str], None]) -> ProfileChoice:
     """The cached ``<run_dir>/hardware-profile.yaml`` if it was measured here for the
-    recipe; else ``given`` if it was; else, with ``measure_missing``, measure once (on
-    top of ``given``) and cache it; else ``given`` as it is."""
+    recipe on top of a profile with ``given``'s memory and node size; else ``given`` if
+    it was measured here; else, with ``measure_missing``, measure once (on top of
+    ``given``) and cache it; else ``given`` as it is."""
     cached = run_dir / CACHED_NAME
+    base = load_hardware(given)
     if cached.is_file():
         try:
             profile = load_hardware(cached)
         except HardwareError as exc:
             on_line(f"ignoring the cached profile: {exc}")
         else:
-            if measured_here(profile, recipe, device):
+            if measured_here(profile, recipe, device) and unmeasured(profile) == unmeasured(base):
                 return ProfileChoice(profile, cached, f"cached: {describe(profile, recipe)}")
-    base = load_hardware(given)
+            if measured_here(profile, recipe, device):
+                on_line(f"ignoring the cached profile: it was measured on top of another "
+                        f"profile than {given} (memory, reserve, GPUs per node "
+                        f"{unmeasured(profile)}, not {unmeasured(base)})")
     if measured_here(base, recipe, device):
         return ProfileChoice(base, given, describe(base, recipe))
     if not measure_missing:
