@@ -17,11 +17,13 @@ import pytest
 import yaml
 
 from elastor_mcore.config.recipe import load_recipe
-from elastor_mcore.elastic.profiling import CACHED_NAME, choose_profile
+from elastor_mcore.elastic.profiling import (CACHED_NAME, UnstableProfile, check_stable,
+                                             choose_profile)
 from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.planner import CostModel, layout_cost, load_hardware, plan
-from elastor_mcore.planner.calibration import fit_stage_table
-from elastor_mcore.planner.hardware import RecipeMeasurements, StageTable, recipe_shape
+from elastor_mcore.planner.calibration import fit_stage_table, handoff_latency_us, robust
+from elastor_mcore.planner.hardware import (HardwareError, RecipeMeasurements, StageTable,
+                                            hardware_from_dict, recipe_shape)
 from tests.conftest import REPO, TINY
 
 RECIPE = load_recipe(TINY)
@@ -36,10 +38,13 @@ def elastor(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """One real measurement, shared: (profile path, the command's stdout)."""
+    """One real measurement, shared: (profile path, the command's stdout). The suite
+    loads the machine, so the spread bound is not what is checked here (the links
+    test checks it on real figures)."""
     out = tmp_path_factory.mktemp("profile") / "measured.yaml"
     result = elastor("profile", "--recipe", str(TINY), "--tp-sizes", "1,2", "--repeats", "3",
-                     "--out", str(out), "--devices", "cpu", timeout=500)
+                     "--out", str(out), "--devices", "cpu", "--max-spread", "100",
+                     timeout=500)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return out, result.stdout
 
@@ -47,8 +52,9 @@ def measured(tmp_path_factory):
 @pytest.mark.timeout(600)  # the shared measurement starts a 4-rank world
 def test_profile_writes_tables_the_planner_reads(measured):
     path, stdout = measured
-    for line in ("12 stages built (TP [1, 2])", "stages measured (fastest of 3 repetitions)",
-                 "P2P and all-reduce measured", "parallelism:", f"wrote {path}"):
+    for line in ("12 stages built (TP [1, 2])", "stages measured (median of 3 repetitions",
+                 "P2P and all-reduce measured", "1F1B hand-off",
+                 "ms per layer step with k slots busy: 1: ", f"wrote {path}"):
         assert line in stdout, stdout
     hardware = load_hardware(path)
     tables = hardware.measurements_for(RECIPE)
@@ -60,8 +66,12 @@ def test_profile_writes_tables_the_planner_reads(measured):
     assert tables.state_mib[2].layer == pytest.approx(tables.state_mib[1].layer / 2, rel=0.02)
     on = tables.measured_on
     assert on["host"] == socket.gethostname() and on["device"] == "cpu"
-    assert {"date", "torch", "megatron_core", "recipe", "load_average_1min"} <= set(on)
-    assert 1 <= hardware.concurrent_slots <= 4
+    assert {"date", "torch", "megatron_core", "recipe", "load_average_1min",
+            "worst_stage_spread", "max_spread"} <= set(on)
+    # cores' worth of 2, 3 and 4 slots busy at once; the most slots' is concurrent_slots
+    assert sorted(hardware.concurrency) == [2, 3, 4]
+    assert all(1 <= worth <= k for k, worth in hardware.concurrency.items())
+    assert hardware.concurrent_slots == hardware.concurrency[4]
     assert hardware.p2p_latency_us > 0 and hardware.intra_node_bandwidth_gb_s > 0
     # not measured: kept from the base profile
     base = load_hardware(CPU_SLOTS)
@@ -149,6 +159,32 @@ def test_cpu_work_and_optimizer_step_are_charged_as_measured():
         assert step.contention > 1  # 1.5 cores: the CPU work bounds this step
 
 
+def test_contention_follows_the_cores_worth_of_the_slots_kept_busy():
+    """With cores' worth measured per number of busy slots, a step of ``d = CPU work /
+    critical path`` busy slots takes ``max(1, d / cores_worth(d))`` times its critical
+    path, the table interpolated linearly from (1, 1)."""
+    fb = {1: table(2.0, 0.5, 1.0, 3.0), 2: table(1.5, 0.7, 1.2, 2.0)}
+    hardware = replace(synthetic(fb), concurrency={2: 1.8, 4: 1.4}, concurrent_slots=1.4)
+    assert hardware.cores_worth(0.5) == 0.5 and hardware.cores_worth(1.5) == pytest.approx(1.4)
+    assert hardware.cores_worth(3) == pytest.approx(1.6) and hardware.cores_worth(9) == 1.4
+    cost = CostModel(RECIPE, hardware)
+    for layout in (HETERO, layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
+            {"tp": 1, "layers": 4, "ranks": [0]}, {"tp": 1, "layers": 4, "ranks": [1]}]}]})):
+        step = layout_cost(cost, layout, 4)
+        critical = max(p.time_s for p in step.pipelines) + step.grad_sync_s
+        pipelines = [(p.micro_batches, [(s.tp, s.layers) for s in p.stages])
+                     for p in step.pipelines]
+        busy = cost.pipelines_work(pipelines, step.grad_sync_s)[1] / critical
+        assert 1 < busy < 4
+        assert step.contention == pytest.approx(max(1.0, busy / hardware.cores_worth(busy)))
+        assert step.step_s == pytest.approx(critical * step.contention, rel=1e-12)
+    # the table round-trips through YAML, and a cores' worth above its slots is refused
+    data = hardware.to_dict()
+    assert hardware_from_dict(data, "t").concurrency == {2: 1.8, 4: 1.4}
+    with pytest.raises(HardwareError, match=r"concurrency\[2\]=2.5"):
+        hardware_from_dict({**data, "concurrency": {2: 2.5}}, "t")
+
+
 def test_shared_cores_make_fewer_slots_faster_unless_all_are_kept_busy():
     hardware = synthetic({1: table(2.0, 0.5, 1.0, 3.0)}, concurrent_slots=2.0)
     best = plan(RECIPE, hardware, range(8))
@@ -163,6 +199,12 @@ def test_tables_of_another_shape_fall_back_to_the_analytic_model(caplog):
     cost = CostModel(other, hardware)
     assert cost.tables is None and "seq_length" in caplog.text
     assert cost.layer_time_s(1) == CostModel(other, load_hardware(CPU_SLOTS)).layer_time_s(1)
+
+
+def test_robust_statistic_is_the_median_and_the_interquartile_spread():
+    median, spread = robust([10.0, 11.0, 12.0, 13.0, 40.0])
+    assert median == 12.0 and spread == pytest.approx((13.0 - 11.0) / 12.0)
+    assert robust([5.0]) == (5.0, 0.0)
 
 
 def test_fit_separates_layers_embedding_output_and_stage():
@@ -247,7 +289,7 @@ def test_links_across_nodes_under_a_two_agent_launch(tmp_path):
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "h21-links",
          "-m", "elastor_mcore.runtime.profile", "--recipe", str(TINY), "--tp-sizes", "1",
          "--repeats", "3", "--links-only", "--out", str(raw_path), "--hardware",
-         str(CPU_SLOTS), "--profile-out", str(profile_path)],
+         str(CPU_SLOTS), "--profile-out", str(profile_path), "--max-spread", "100"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node, nproc in ((0, 2), (1, 1))]
     outputs = [agent.communicate(timeout=150)[0] for agent in agents]
@@ -262,6 +304,17 @@ def test_links_across_nodes_under_a_two_agent_launch(tmp_path):
     for name in ("p2p_latency_us", "p2p_bandwidth_gb_s", "inter_node_latency_us",
                  "inter_node_bandwidth_gb_s"):
         assert 0 < getattr(hardware, name) < float("inf"), name
+    # the P2P latency charged per boundary and micro-batch is the measured 1F1B hand-off
+    # (the runtime's schedule between two ranks of node 0), less its message's bytes
+    handoff = raw["handoff"]
+    assert handoff["bytes"] == 256 and handoff["us"] > 0 and handoff["spread"] >= 0
+    assert hardware.p2p_latency_us == pytest.approx(
+        handoff_latency_us(handoff, hardware.p2p_bandwidth_gb_s))
+    # figures whose repetitions disagree beyond the bound are refused, by name
+    check_stable(raw, handoff["spread"] + 0.01)
+    with pytest.raises(UnstableProfile, match="1F1B hand-off .* measure again when it is "
+                                              "quieter"):
+        check_stable(raw, handoff["spread"] / 2 if handoff["spread"] else 1e-9)
     # the cost model charges stage boundaries of a layout across nodes at that link
     cost = CostModel(RECIPE, hardware)
     message = 32 * 64 * 4

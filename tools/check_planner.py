@@ -1,12 +1,16 @@
 """Check the planner's predictions against real training steps on this machine.
 
     PYTHONPATH=. python tools/check_planner.py [--hardware recipes/hardware/cpu-slots-measured.yaml]
-                                               [--measure] [--rounds 3] [--steps 5]
+                                               [--measure] [--runs 1] [--rounds 3] [--steps 5]
                                                [--out check_planner.json]
 
 ``--measure`` first runs ``elastor profile`` (TP 1 and 2, on top of ``cpu-slots``) and
 checks against that profile, measured in the same run and so under the same load
-(written beside ``--out`` as ``<out>.profile.yaml``).
+(written beside ``--out`` as ``<out>.profile.yaml``); a profile whose repetitions
+disagree beyond ``--max-spread`` is refused and that run reported as meaningless, with
+the load average. ``--runs N`` does the whole (measure and) check N times, one after
+the other (``<out>.runK.json``), and ends with a summary of every run: load average,
+median error, Spearman, fastest layout predicted and measured.
 
 Layouts of the tiny recipe, uniform and heterogeneous, on 1 to 4 slots of one node
 (``LAYOUTS``, plus the planner's own best layout for 4 slots), are each trained for
@@ -39,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 from elastor_mcore.config.recipe import load_recipe  # noqa: E402
 from elastor_mcore.parallel.layout import Layout, layout_from_dict, load_layout  # noqa: E402
 from elastor_mcore.planner import load_hardware, plan, predicted_step_s  # noqa: E402
+from elastor_mcore.planner.calibration import DEFAULT_MAX_SPREAD  # noqa: E402
 
 TINY = ROOT / "recipes" / "tiny-llama.yaml"
 WORLD = 4
@@ -137,7 +142,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return num / den if den else 0.0
 
 
-def measure_profile(recipe, repeats: int, out: Path) -> Path:
+def measure_profile(recipe, repeats: int, max_spread: float, out: Path) -> Path:
     """``elastor profile`` of the tiny recipe at TP 1 and 2, beside ``out``."""
     from elastor_mcore.elastic.profiling import measure
     from elastor_mcore.planner import write_hardware
@@ -147,9 +152,10 @@ def measure_profile(recipe, repeats: int, out: Path) -> Path:
     print(f"check_planner: measuring the profile (elastor profile, TP 1,2, {repeats} "
           f"repeats, load average {os.getloadavg()[0]:.1f}) ...", flush=True)
     profile = measure(str(TINY), recipe, load_hardware(base), [1, 2], "cpu", repeats,
-                      on_line=lambda line: None)
+                      on_line=lambda line: None, max_spread=max_spread)
     write_hardware(profile, path, f"Measured by tools/check_planner.py --measure (elastor "
-                                  f"profile --tp-sizes 1,2 --repeats {repeats} on {base}).")
+                                  f"profile --tp-sizes 1,2 --repeats {repeats} --max-spread "
+                                  f"{max_spread} on {base}).")
     return path
 
 
@@ -161,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure the profile first with elastor profile (same load)")
     parser.add_argument("--repeats", type=int, default=10,
                         help="elastor profile's repetitions with --measure")
+    parser.add_argument("--max-spread", type=float, default=DEFAULT_MAX_SPREAD,
+                        help="elastor profile's bound on its repetitions' spread (--measure)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="do the whole check this many times and summarise them")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per layout and round")
     parser.add_argument("--out", default="check_planner.json")
@@ -171,32 +181,87 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step of each round is left out)")
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if args.runs == 1:
+        figures = check(args, Path(args.out), args.hardware)
+        return 0 if figures and "refused" not in figures else 1
+    out = Path(args.out)
+    runs = []
+    for run in range(1, args.runs + 1):
+        print(f"\ncheck_planner: run {run}/{args.runs}", flush=True)
+        runs.append(check(args, out.with_suffix(f".run{run}.json"), args.hardware))
+    summary(runs)
+    out.write_text(json.dumps(runs, indent=1))
+    return 0 if all(r and "refused" not in r for r in runs) else 1
+
+
+def summary(runs: list[dict | None]) -> None:
+    """One line per run, then whether the goal (median error <= 25 %, the same fastest
+    layout) held in every run."""
+    print("\n| run | load average | median \\|error\\|, median step | fastest step | "
+          "Spearman (median / fastest) | fastest layout, predicted / measured (median step) |"
+          "\n| --- | --- | --- | --- | --- | --- |")
+    for i, r in enumerate(runs, 1):
+        if r is None:
+            print(f"| {i} | | the training world failed | | | |")
+            continue
+        if "refused" in r:
+            print(f"| {i} | {r['load_average_1min'][0]:.1f} | meaningless: profile refused "
+                  f"({r['refused'].split('. ')[0]}) | | | |")
+            continue
+        m, f = r["median"], r["fastest"]
+        print(f"| {i} | {r['load_average_1min'][0]:.1f} -> {r['load_average_1min'][1]:.1f} | "
+              f"{m['median_abs_error']:.0%} | {f['median_abs_error']:.0%} | "
+              f"{m['spearman']:.2f} / {f['spearman']:.2f} | `{m['best_predicted']}` / "
+              f"`{m['best_measured']}` ({'same' if m['same_best'] else 'different'}) |")
+    done = [r for r in runs if r and "refused" not in r]
+    print(f"\n{len(done)} of {len(runs)} runs meaningful; median |error| <= 25 % in "
+          f"{sum(r['median']['median_abs_error'] <= 0.25 for r in done)}, the same fastest "
+          f"layout in {sum(r['median']['same_best'] for r in done)}; predicted fastest: "
+          f"{sorted({r['median']['best_predicted'] for r in done})}")
+
+
+def check(args: argparse.Namespace, out: Path, hardware_path: str) -> dict | None:
+    """One check (after measuring its profile with ``--measure``): its figures, also
+    written to ``out``; ``{"refused": why, ...}`` if the profile was refused, None if
+    the training world failed."""
+    from elastor_mcore.elastic.profiling import UnstableProfile
     from elastor_mcore.elastic.torchrun import run_torchrun
 
     recipe = load_recipe(TINY)
     if args.measure:
-        args.hardware = str(measure_profile(recipe, args.repeats, Path(args.out)))
-    hardware = load_hardware(args.hardware)
+        load = os.getloadavg()[0]
+        try:
+            hardware_path = str(measure_profile(recipe, args.repeats, args.max_spread, out))
+        except UnstableProfile as exc:
+            print(f"check_planner: this run is meaningless: {exc}", flush=True)
+            figures = {"refused": str(exc), "load_average_1min": [load, os.getloadavg()[0]]}
+            out.write_text(json.dumps(figures, indent=1))
+            return figures
+    hardware = load_hardware(hardware_path)
     layouts = build_layouts(recipe, hardware)
     predicted = {name: predicted_step_s(recipe, hardware, layout)
                  for name, layout in layouts.items()}
     load_before = os.getloadavg()[0]
     print(f"check_planner: {len(layouts)} layouts x {args.rounds} rounds x {args.steps} steps "
-          f"in a {WORLD}-rank world, profile {args.hardware}, load average "
+          f"in a {WORLD}-rank world, profile {hardware_path}, load average "
           f"{load_before:.1f} ...", flush=True)
-    times_path = Path(args.out).with_suffix(".times.json")
+    times_path = out.with_suffix(".times.json")
     start = time.perf_counter()
     result = run_torchrun(WORLD, "tools.check_planner",
-                          ["--hardware", args.hardware, "--rounds", str(args.rounds),
+                          ["--hardware", hardware_path, "--rounds", str(args.rounds),
                            "--steps", str(args.steps), "--times", str(times_path)],
                           env={"PYTHONPATH": str(ROOT)})
     if result.returncode:
-        return result.returncode
+        print(f"check_planner: the training world failed (exit {result.returncode})",
+              flush=True)
+        return None
     times = json.loads(times_path.read_text())
     times_path.unlink()
     load_after = os.getloadavg()[0]
     names = list(layouts)
-    figures = {"profile": args.hardware, "measured_profile": args.measure,
+    figures = {"profile": hardware_path, "measured_profile": args.measure,
                "rounds": args.rounds, "steps": args.steps,
                "layouts": [{"layout": n, "describe": layouts[n].describe(),
                             "slots": layouts[n].num_gpus, "predicted_s": predicted[n],
@@ -216,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             "best_predicted": best_predicted, "best_measured": best_measured,
             "same_best": best_predicted == best_measured}
     figures["seconds"] = time.perf_counter() - start
-    Path(args.out).write_text(json.dumps(figures, indent=1))
+    out.write_text(json.dumps(figures, indent=1))
     print("\n| layout | slots | predicted | measured median | error | measured fastest | error |"
           "\n|---|---|---|---|---|---|---|")
     for r in figures["layouts"]:
@@ -231,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{f['best_predicted']!r}, measured {f['best_measured']!r} "
               f"({'same' if f['same_best'] else 'DIFFERENT'})")
     print(f"load average {load_before:.1f} -> {load_after:.1f} on {os.cpu_count()} CPUs, "
-          f"{figures['seconds']:.0f}s; figures in {args.out}")
-    return 0
+          f"{figures['seconds']:.0f}s; figures in {out}")
+    return figures
 
 
 if __name__ == "__main__":

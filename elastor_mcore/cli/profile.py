@@ -10,6 +10,7 @@ from pathlib import Path
 
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.planner import HardwareError, load_hardware, write_hardware
+from elastor_mcore.planner.calibration import DEFAULT_MAX_SPREAD
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_BASE = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
@@ -37,7 +38,12 @@ def register(subparsers) -> None:
                         help="comma-separated TP degrees to measure (default: all the model "
                              "allows within a node); the world is twice the largest")
     parser.add_argument("--repeats", type=int, default=10,
-                        help="timed repetitions per measurement, the fastest kept (default 10)")
+                        help="timed repetitions per measurement, interleaved with the others "
+                             "of its kind; the median is kept (default 10)")
+    parser.add_argument("--max-spread", type=float, default=DEFAULT_MAX_SPREAD,
+                        help="refuse figures whose repetitions' interquartile range exceeds "
+                             "this fraction of their median after 3 attempts (default "
+                             f"{DEFAULT_MAX_SPREAD})")
     parser.add_argument("--devices", choices=("auto", "cpu", "cuda"), default="auto",
                         help="measure CPU slots or CUDA devices (default: cuda if available)")
     parser.set_defaults(func=run)
@@ -57,8 +63,11 @@ def summary(profile, recipe) -> list[str]:
                  f"{profile.p2p_latency_us:.0f} us + {profile.p2p_bandwidth_gb_s:.2f} GB/s")
     if tables.optimizer_ns_per_param is not None:
         lines.append(f"optimizer step: {tables.optimizer_ns_per_param:.2f} ns per parameter")
-    if profile.concurrent_slots:
-        lines.append(f"slots computing at full speed at once: {profile.concurrent_slots:.2f}")
+    if profile.concurrency:
+        lines.append("cores' worth of k slots busy at once: " + ", ".join(
+            f"{k}: {worth:.2f}" for k, worth in sorted(profile.concurrency.items())))
+    lines.append(f"worst spread of the stages' repetitions: "
+                 f"{tables.measured_on['worst_stage_spread']:.0%}")
     return lines
 
 
@@ -78,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         base = load_hardware(base_path)
         if args.repeats < 3:
             raise ValueError(f"--repeats must be at least 3 (medians), got {args.repeats}")
+        if not args.max_spread > 0:
+            raise ValueError(f"--max-spread must be a positive fraction, got {args.max_spread}")
         allowed = default_tp_sizes(recipe, base, device_count() if device == "cuda" else None)
         tp_sizes = ([int(t) for t in args.tp_sizes.split(",")] if args.tp_sizes else allowed)
         bad = [t for t in tp_sizes if t not in allowed]
@@ -95,13 +106,15 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         profile = measure(args.recipe, recipe, base, tp_sizes, device, args.repeats,
-                          on_line=lambda line: print(line, flush=True))
+                          on_line=lambda line: print(line, flush=True),
+                          max_spread=args.max_spread)
     except ProfileError as exc:
         print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 1
     write_hardware(profile, args.out,
                    f"Measured by: elastor profile --recipe {args.recipe} --hardware "
-                   f"{base_path} --repeats {args.repeats}\nNot measured (from {base_path}): "
+                   f"{base_path} --repeats {args.repeats} --max-spread {args.max_spread}"
+                   f"\nNot measured (from {base_path}): "
                    f"memory, peak_tflops, efficiency_by_tp, inter-node links (measured only "
                    f"under a multi-node launch of elastor_mcore.runtime.profile).")
     print("\n".join(f"{PREFIX}:   {line}" for line in summary(profile, recipe)))

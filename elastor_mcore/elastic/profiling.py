@@ -5,11 +5,14 @@ The measurement runs in a torchrun world (``runtime.profile``: twice the largest
 degree measured, so that two-stage pipelines fit); its raw figures become a profile
 through ``planner.calibration``. A profile counts as *measured for* a recipe on this
 machine when it holds tables of the recipe's shape taken on this host and device kind.
+Figures whose repetitions disagree beyond a bound (the machine's load changed while
+they were taken, even after the world measured them again) are refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import tempfile
@@ -20,7 +23,8 @@ from typing import Callable, Literal, Sequence
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.elastic.torchrun import start_torchrun
 from elastor_mcore.planner import HardwareError, HardwareProfile, load_hardware, write_hardware
-from elastor_mcore.planner.calibration import measured_profile, provenance
+from elastor_mcore.planner.calibration import (DEFAULT_MAX_SPREAD, measured_profile, provenance,
+                                               unstable)
 
 PROFILE_MODULE = "elastor_mcore.runtime.profile"
 CACHED_NAME = "hardware-profile.yaml"
@@ -30,6 +34,10 @@ Device = Literal["cpu", "cuda"]
 
 class ProfileError(RuntimeError):
     """The measurement failed; the message says where its output is."""
+
+
+class UnstableProfile(ProfileError):
+    """The repetitions of some figures disagreed beyond the bound; the message names them."""
 
 
 def default_tp_sizes(recipe: Recipe, hardware: HardwareProfile,
@@ -48,15 +56,19 @@ def device_count() -> int:
 
 def measure(recipe_path: str, recipe: Recipe, base: HardwareProfile, tp_sizes: Sequence[int],
             device: Device, repeats: int = 10,
-            on_line: Callable[[str], None] = print) -> HardwareProfile:
+            on_line: Callable[[str], None] = print,
+            max_spread: float = DEFAULT_MAX_SPREAD) -> HardwareProfile:
     """Run the measurement world and return ``base`` with the measured tables and links.
-    ``on_line`` gets the world's progress lines."""
+    ``on_line`` gets the world's progress lines. Raises ``UnstableProfile`` when a
+    figure's repetitions still disagree by more than ``max_spread`` (interquartile
+    range over median)."""
     world = max(2, 2 * max(tp_sizes))
     with tempfile.TemporaryDirectory(prefix="elastor-profile-") as tmp:
         raw_path = Path(tmp) / "raw.json"
         log_path = Path(tmp) / "torchrun.log"
         args = ["--recipe", str(recipe_path), "--tp-sizes", ",".join(map(str, tp_sizes)),
-                "--repeats", str(repeats), "--out", str(raw_path)]
+                "--repeats", str(repeats), "--out", str(raw_path),
+                "--max-spread", str(max_spread)]
         with open(log_path, "w") as log_file:
             proc = start_torchrun(world, PROFILE_MODULE, args, stdout=subprocess.PIPE,
                                   stderr=log_file, text=True)
@@ -67,7 +79,26 @@ def measure(recipe_path: str, recipe: Recipe, base: HardwareProfile, tp_sizes: S
             tail = log_path.read_text()[-3000:]
             raise ProfileError(f"the measurement world failed (exit {code}):\n{tail}")
         raw = json.loads(raw_path.read_text())
-    return measured_profile(base, raw, recipe, provenance(recipe_path, device, repeats))
+    check_stable(raw, max_spread)
+    spreads = [r["spread"] for r in raw["stages"]]
+    measured_on = {**provenance(recipe_path, device, repeats),
+                   "worst_stage_spread": round(max(spreads, default=0.0), 3),
+                   "max_spread": max_spread}
+    return measured_profile(base, raw, recipe, measured_on)
+
+
+def check_stable(raw: dict, max_spread: float) -> None:
+    """Raise ``UnstableProfile`` naming the figures of ``raw`` (``runtime.profile``'s
+    output, measured again up to 3 times by the world) whose repetitions disagree by
+    more than ``max_spread``."""
+    bad = unstable(raw, max_spread)
+    if bad:
+        raise UnstableProfile(
+            f"repetitions disagree by more than {max_spread:.0%} (interquartile range over "
+            f"median) in: {'; '.join(bad)}. The machine's load changed while measuring "
+            f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); measure "
+            f"again when it is quieter, with more --repeats, or accept a larger "
+            f"--max-spread")
 
 
 def measured_here(profile: HardwareProfile, recipe: Recipe, device: Device) -> bool:
@@ -129,7 +160,13 @@ def choose_profile(run_dir: Path, recipe_path: str, recipe: Recipe, given: Path,
     tp_sizes = default_tp_sizes(recipe, base, device_count() if device == "cuda" else None)
     on_line(f"measuring a hardware profile for {recipe.name} (TP {tp_sizes}), once per "
             f"run directory ...")
-    profile = measure(recipe_path, recipe, base, tp_sizes, device, repeats=5, on_line=on_line)
+    try:
+        profile = measure(recipe_path, recipe, base, tp_sizes, device, repeats=5,
+                          on_line=on_line)
+    except UnstableProfile as exc:
+        on_line(f"not caching the measured profile: {exc}")
+        return ProfileChoice(base, given, f"{describe(base, recipe)} (the measurement was "
+                                          f"unstable)")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_hardware(profile, cached, f"Measured by the supervisor on top of {given}.")
     return ProfileChoice(load_hardware(cached), cached,

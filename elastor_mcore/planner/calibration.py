@@ -10,17 +10,24 @@ and when the figures were taken):
   over a first one, and a stage's own cost what first and last share:
   ``embedding = single - last``, ``output = single - first``,
   ``stage = first + last - single`` (intercepts; negative noise is clamped to 0).
-* **Sharing the cores.** ``concurrent_slots = slots x alone / together``: a single-layer
-  step on one slot alone, then on every slot at once (the cores the slots share, in
-  slots' worth). A stage's TP group kept ``cpu / wall`` slots busy while it was timed
-  (its CPU time over its wall time), so its wall times are divided by ``max(1, cpu /
-  (wall x concurrent_slots))`` to stand for cores of its own; its CPU times are the
-  ``cpu_ms`` table, fitted like the others.
+* **Repetitions.** Every figure is the median of interleaved repetitions (of the TP
+  group's slowest rank), with its spread: the interquartile range over the median
+  (``robust``). ``unstable`` names the figures whose spread exceeds a bound, which
+  ``elastor profile`` refuses.
+* **Sharing the cores.** ``concurrency[k] = k x alone / together(k)``: a single-layer
+  step on one slot alone, then on ``k`` slots at once, for every ``k`` up to the world
+  (the cores' worth ``k`` busy slots achieve). A stage's TP group kept ``d = cpu /
+  wall`` slots busy while it was timed (its CPU time over its wall time), so its wall
+  times are divided by ``max(1, d / cores_worth(d))`` to stand for cores of its own;
+  its CPU times are the ``cpu_ms`` table, fitted like the others.
 * **Optimizer.** The loop's optimizer step, timed on every measured stage, against the
   stage's local parameters: a least-squares slope through the origin (ns/parameter).
-* **Links.** P2P: one-way time at two message sizes gives latency and bandwidth, for
+* **Links.** P2P: one-way time at two message sizes gives bandwidth (and latency), for
   a pair of ranks on one node and, under a multi-node launch, a pair on two nodes
-  (the inter-node link). All-reduce: least squares of the ring model ``2(d-1)/d x
+  (the inter-node link). Inside a node the latency the cost model charges per boundary
+  and micro-batch is the measured 1F1B hand-off (``runtime.profile.measure_handoff``:
+  the runtime's own schedule and communicator between two stages that do no work, at
+  a small message) less that message's bandwidth time. All-reduce: least squares of the ring model ``2(d-1)/d x
   bytes / bandwidth + 2(d-1) x latency`` over every group size and message size.
 """
 
@@ -40,12 +47,40 @@ from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.planner.hardware import (HardwareError, HardwareProfile, RecipeMeasurements,
                                             StageTable, recipe_shape)
 
+DEFAULT_MAX_SPREAD = 0.25
+"""``elastor profile``'s default bound on a figure's spread (interquartile range over
+median of its repetitions)."""
+
 MIB = 2**20
 QUANTITIES = {"forward_backward_ms": ("forward_backward_ms", 1.0),
               "cpu_ms": ("cpu_ms", 1.0),
               "activation_mib": ("activation_bytes", 1 / MIB),
               "state_mib": ("state_bytes", 1 / MIB)}
 """Table name -> (raw record field, scale)."""
+
+
+def robust(values: list[float]) -> tuple[float, float]:
+    """(median, spread) of repetitions; spread = interquartile range / median (0 for
+    fewer than two values)."""
+    median = statistics.median(values)
+    if len(values) < 2 or median <= 0:
+        return median, 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return median, (q3 - q1) / median
+
+
+def unstable(raw: dict[str, Any], max_spread: float) -> list[str]:
+    """The figures of ``raw`` whose repetitions disagree by more than ``max_spread``,
+    described for a person (empty: all agree)."""
+    out = [f"TP {r['tp']} {r['role']} stage of {r['layers']} layer(s) "
+           f"{r['spread']:.0%}" for r in raw.get("stages", []) if r["spread"] > max_spread]
+    for busy in (raw.get("parallelism") or {}).get("busy", []):
+        if busy["spread"] > max_spread:
+            out.append(f"{busy['slots']} slot(s) busy at once {busy['spread']:.0%}")
+    handoff = raw.get("handoff")
+    if handoff and handoff["spread"] > max_spread:
+        out.append(f"1F1B hand-off {handoff['spread']:.0%}")
+    return out
 
 
 def fit_stage_table(points: dict[str, list[tuple[int, float]]]) -> StageTable:
@@ -71,11 +106,12 @@ def fit_stage_table(points: dict[str, list[tuple[int, float]]]) -> StageTable:
                       output=max(0.0, a["single"] - a["first"]))
 
 
-def concurrent_slots(parallelism: dict[str, Any]) -> float:
-    """Slots that compute at full speed at once (between 1 and the slots measured)."""
-    slots = parallelism["slots"]
-    ratio = slots * parallelism["alone_ms"] / parallelism["together_ms"]
-    return min(float(slots), max(1.0, ratio))
+def concurrency(parallelism: dict[str, Any]) -> dict[int, float]:
+    """``{k: cores' worth}`` of ``k`` slots busy at once (between 1 and ``k``)."""
+    busy = {b["slots"]: b["ms"] for b in parallelism["busy"]}
+    alone = busy[1]
+    return {k: min(float(k), max(1.0, k * alone / ms)) for k, ms in sorted(busy.items())
+            if k > 1}
 
 
 def fit_p2p(points: list[dict[str, float]]) -> tuple[float, float]:
@@ -114,17 +150,19 @@ def fit_optimizer(stages: list[dict[str, Any]]) -> float:
     return max(0.0, num / den) if den else 0.0
 
 
-def recipe_measurements(raw: dict[str, Any], recipe: Recipe, slots: float,
+def recipe_measurements(raw: dict[str, Any], recipe: Recipe, cores: HardwareProfile,
                         measured_on: dict[str, Any]) -> RecipeMeasurements:
-    """The stage tables of ``raw``; wall times scaled to cores of the stage's own."""
+    """The stage tables of ``raw``; wall times scaled to cores of the stage's own
+    (``cores.cores_worth``: none on devices of their own)."""
     grouped: dict[int, dict[str, dict[str, list[tuple[int, float]]]]] = defaultdict(
         lambda: defaultdict(lambda: defaultdict(list)))
     for record in raw["stages"]:
         busy = record["cpu_ms"] / record["forward_backward_ms"]
+        worth = cores.cores_worth(busy)
         for table, (key, scale) in QUANTITIES.items():
             value = record[key] * scale
-            if table == "forward_backward_ms":
-                value /= max(1.0, busy / slots)
+            if table == "forward_backward_ms" and worth:
+                value /= max(1.0, busy / worth)
             grouped[record["tp"]][table][record["role"]].append((record["layers"], value))
     tables = {table: {tp: fit_stage_table(grouped[tp][table]) for tp in sorted(grouped)}
               for table in QUANTITIES}
@@ -139,6 +177,12 @@ def measured_step_s(times: list[float]) -> float | None:
     return statistics.median(kept) if kept else None
 
 
+def handoff_latency_us(handoff: dict[str, float], bandwidth_gb_s: float) -> float:
+    """Per-message latency of a 1F1B hand-off: its measured time per micro-batch less
+    its message's time at ``bandwidth_gb_s``."""
+    return max(0.1, handoff["us"] - handoff["bytes"] / (bandwidth_gb_s * 1e3))
+
+
 def link_profile(base: HardwareProfile, raw: dict[str, Any]) -> HardwareProfile:
     """``base`` with the links ``raw`` measured: all-reduce inside a node, P2P inside a
     node and (when the launch spanned nodes) between nodes; the rest is kept."""
@@ -148,6 +192,9 @@ def link_profile(base: HardwareProfile, raw: dict[str, Any]) -> HardwareProfile:
             fit_allreduce(raw["allreduce"])
     if raw["p2p"]:
         links["p2p_latency_us"], links["p2p_bandwidth_gb_s"] = fit_p2p(raw["p2p"])
+    if raw.get("handoff"):
+        links["p2p_latency_us"] = handoff_latency_us(raw["handoff"],
+                                                     links["p2p_bandwidth_gb_s"])
     if raw.get("p2p_inter_node"):
         links["inter_node_latency_us"], links["inter_node_bandwidth_gb_s"] = \
             fit_p2p(raw["p2p_inter_node"])
@@ -158,11 +205,15 @@ def measured_profile(base: HardwareProfile, raw: dict[str, Any], recipe: Recipe,
                      measured_on: dict[str, Any]) -> HardwareProfile:
     """``base`` with what ``raw`` measured: the recipe's tables (other recipes' tables
     are kept), the links and, on CPU slots, how they share the cores."""
-    slots = concurrent_slots(raw["parallelism"]) if measured_on.get("device") == "cpu" \
-        else None
-    tables = recipe_measurements(raw, recipe, slots or float("inf"), measured_on)
-    return replace(link_profile(base, raw), concurrent_slots=slots,
-                   measured={**base.measured, recipe.name: tables})
+    cores = link_profile(base, raw)
+    if measured_on.get("device") == "cpu":
+        table = concurrency(raw["parallelism"])
+        cores = replace(cores, concurrency=table,
+                        concurrent_slots=table[max(table)] if table else 1.0)
+    else:
+        cores = replace(cores, concurrency={}, concurrent_slots=None)
+    tables = recipe_measurements(raw, recipe, cores, measured_on)
+    return replace(cores, measured={**base.measured, recipe.name: tables})
 
 
 def device_name(device: str) -> str:

@@ -27,13 +27,14 @@ pipeline's average ``parameters / GPUs``, so the term depends on the pipelines' 
 not on the split) + the slowest stage's optimizer step (measured ns per local
 parameter; with ZeRO-1 each rank steps ``1 / pipelines`` of its stage's parameters).
 
-CPU slots share cores (``concurrent_slots`` of them compute at full speed at once), so
-a step also takes at least its CPU work over the cores: every stage's CPU time per
-micro-batch (its TP group's, measured: ranks waiting in a collective or idle in the
-1F1B bubble leave their core to others) x its micro-batches, every slot's gradient
-all-reduce and optimizer step. The step time is the critical path x ``contention =
-max(1, CPU work / (concurrent_slots x critical path))``: the larger of the two bounds
-(1 on GPUs, which compute on their own).
+CPU slots share cores, so a step also takes at least its CPU work over what its busy
+slots achieve together: every stage's CPU time per micro-batch (its TP group's,
+measured: ranks waiting in a collective or idle in the 1F1B bubble leave their core to
+others) x its micro-batches, every slot's gradient all-reduce and optimizer step. With
+``d = CPU work / critical path`` slots busy on average, which together compute
+``cores_worth(d)`` slots' worth (measured with 1, 2, .. slots busy at once), the step
+time is the critical path x ``contention = max(1, d / cores_worth(d))`` (1 on GPUs,
+which compute on their own).
 
 P2P and gradient traffic use intra-node links when every used GPU sits on one node,
 inter-node links otherwise: the cost of a layout then depends only on each stage's TP
@@ -229,11 +230,13 @@ class CostModel:
 
     def contention(self, critical_s: float, cpu_s: float) -> float:
         """How much longer than ``critical_s`` a step takes whose slots need ``cpu_s`` of
-        CPU on the profile's shared cores (1 on GPUs)."""
-        slots = self.hardware.concurrent_slots
-        if not slots or critical_s <= 0:
+        CPU on the profile's shared cores (1 on GPUs): ``d = cpu_s / critical_s`` slots
+        are busy on average, and together they achieve ``cores_worth(d)``."""
+        if critical_s <= 0 or cpu_s <= 0:
             return 1.0
-        return max(1.0, cpu_s / (slots * critical_s))
+        busy = cpu_s / critical_s
+        worth = self.hardware.cores_worth(busy)
+        return 1.0 if worth is None else max(1.0, busy / worth)
 
     def stage_cpu_s(self, tp: int, layers: int, position: int, num_stages: int) -> float:
         """CPU seconds a stage's TP group spends per micro-batch (measured; without a

@@ -114,6 +114,11 @@ class HardwareProfile:
     once (they share its cores; every slot of a CPU run is on that machine). A run of
     ``n`` busy slots takes ``max(1, n / concurrent_slots)`` times as long as on
     ``n`` independent devices. Absent for GPUs: each computes on its own."""
+    concurrency: dict[int, float] = field(default_factory=dict)
+    """CPU slots, measured: ``{k: cores' worth}`` that ``k`` slots busy at once
+    achieve (``k x`` one slot's step time alone over each one's with ``k`` busy).
+    Replaces ``concurrent_slots`` (its value at the most slots) where present: a
+    layout with ``d`` slots busy on average runs at ``cores_worth(d)``."""
     measured: dict[str, RecipeMeasurements] = field(default_factory=dict)
     """``elastor profile``'s tables by recipe name; they replace the analytic stage
     times and per-layer memory for a recipe of the same shape."""
@@ -134,6 +139,11 @@ class HardwareProfile:
                                       or not isinstance(value, (int, float)) or value <= 0):
                 raise HardwareError(f"hardware.{name} must be a positive number or absent, "
                                     f"got {value!r}")
+        for k, worth in self.concurrency.items():
+            if not isinstance(k, int) or k <= 0 or not 0 < worth <= k:
+                raise HardwareError(
+                    f"hardware.concurrency[{k!r}]={worth!r}: keys are numbers of busy slots, "
+                    f"values the cores' worth they achieve, in (0, slots]")
         for name in ("memory_reserved_gib", "intra_node_latency_us", "inter_node_latency_us"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -184,6 +194,21 @@ class HardwareProfile:
                                for name, m in self.measured.items()}
         return out
 
+    def cores_worth(self, busy: float) -> float | None:
+        """Cores' worth that ``busy`` slots computing at once achieve on average (None:
+        devices of their own). Linear between the measured ``concurrency`` points (and
+        ``(1, 1)``: one slot alone is the unit), the last point beyond them; without the
+        table, ``min(busy, concurrent_slots)``."""
+        if not self.concurrency:
+            return None if not self.concurrent_slots else min(busy, self.concurrent_slots)
+        points = sorted({1: 1.0, **self.concurrency}.items())
+        if busy <= 1:
+            return busy
+        for (k0, w0), (k1, w1) in zip(points, points[1:]):
+            if busy <= k1:
+                return w0 + (w1 - w0) * (busy - k0) / (k1 - k0)
+        return points[-1][1]
+
     def efficiency(self, tp: int) -> float:
         """Fraction of peak at TP degree ``tp`` (linear interpolation in the table)."""
         table = sorted(self.efficiency_by_tp.items())
@@ -218,6 +243,13 @@ def hardware_from_dict(data: Any, name: str = "hardware") -> HardwareProfile:
         raise HardwareError(f"{name}: measured_layer_ms must map recipe names to "
                             f"{{tp: milliseconds}}, e.g. {{llama2-7b: {{8: 41.0}}}}; got "
                             f"{data.get('measured_layer_ms')!r}") from None
+    try:
+        data["concurrency"] = {int(k): float(v)
+                               for k, v in (data.get("concurrency") or {}).items()}
+    except (AttributeError, TypeError, ValueError):
+        raise HardwareError(f"{name}: concurrency must map numbers of busy slots to cores' "
+                            f"worth, e.g. {{2: 1.9, 4: 1.8}}; got "
+                            f"{data.get('concurrency')!r}") from None
     data["measured"] = {str(recipe): _measurements(table, f"{name}: measured[{recipe!r}]")
                         for recipe, table in (data.get("measured") or {}).items()}
     try:

@@ -17,10 +17,18 @@ cores to itself):
 * P2P ping-pong at two message sizes between two ranks of one node and, under a
   multi-node launch, two ranks of different nodes (told apart by torchrun's
   ``GROUP_RANK``, the node's rank); all-reduce over 2.. ranks of one node;
+* the 1F1B hand-off: the runtime's own schedule and communicator on a two-stage
+  pipeline of stages that do no work, at a small message (the time per micro-batch
+  is what a boundary adds to a stage: posting the exchange, the message, waking the
+  receiver);
 * how many slots compute at full speed at once: single-layer steps on one slot alone,
-  then on every slot together.
+  then on 2, 3, .. slots together (training runs keep that many busy).
 
-Each figure is the fastest of its repetitions (``undisturbed_ms``). Rank 0 writes them
+Each figure is the median of its repetitions (of the TP group's slowest rank: ``robust_ms``),
+taken in turn with the other figures of its kind so that a change in the machine's
+load shifts them alike, with its spread; a kind whose worst spread exceeds
+``--max-spread`` is measured again (``ATTEMPTS`` in all) and, if it still does, named
+in the raw figures' ``unstable`` list (``elastor profile`` then refuses). Rank 0 writes them
 as JSON (``--out``); ``planner.calibration`` turns them into a hardware profile
 (``elastor profile`` does, or, with ``--profile-out``, rank 0 itself: the way to
 profile under a multi-node launch, one torchrun agent per node)::
@@ -50,8 +58,11 @@ from elastor_mcore.config.recipe import Recipe, load_recipe
 from elastor_mcore.parallel.groups import GroupCache, install
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
 from elastor_mcore.planner import load_hardware, write_hardware
-from elastor_mcore.planner.calibration import link_profile, measured_profile, provenance
+from elastor_mcore.planner.calibration import (DEFAULT_MAX_SPREAD, link_profile,
+                                               measured_profile, provenance, robust, unstable)
 from elastor_mcore.runtime.memory import SavedTensorMeter
+from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
+from elastor_mcore.runtime.schedule import run_1f1b
 from elastor_mcore.runtime.train import StageRunner, device_for_rank, setup_stage
 from elastor_mcore.runtime.worker import init_distributed
 
@@ -65,6 +76,10 @@ WARMUP = 2
 MICRO_BATCHES = 4
 """Micro-batches per timed repetition of a stage: back to back, as in the loop (a TP
 group's ranks then stay awake between collectives); figures are per micro-batch."""
+ATTEMPTS = 3
+"""Measurements of one kind of figure before its spread is given up on."""
+HANDOFF_BYTES = 256
+HANDOFF_MICRO_BATCHES = 16
 
 
 def stage_kinds() -> list[tuple[str, int, list[int]]]:
@@ -159,21 +174,46 @@ def timed_with_cpu(fn: Callable[[], None], device: torch.device) -> tuple[float,
     return time.perf_counter() - start, time.process_time() - cpu_start
 
 
-def undisturbed_ms(times: list[float], group) -> float:
-    """The fastest repetition of the slowest rank of ``group`` (None: the world): the
-    time of a repetition no other job of the machine slowed down. Other jobs only ever
-    add time, so the minimum is the reproducible figure (and the one a machine of
-    one's own gives); ``tools/check_planner.py`` shows both ends of the runs' spread."""
+def robust_ms(times: list[float], group) -> tuple[float, float]:
+    """(median ms, spread) over the repetitions of the slowest rank of ``group`` (None:
+    the world) in each. The median, not the fastest repetition: a training run's steps
+    see the machine as it usually is, and the fastest of a few repetitions moved by
+    half between runs on the same idle machine."""
     tensor = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return float(tensor.min()) * 1e3
+    median, spread = robust(tensor.tolist())
+    return median * 1e3, spread
 
 
 def group_cpu_ms(cpu_times: list[float], group) -> float:
-    """The CPU time ``group`` spends on one repetition: each rank's least, summed."""
-    tensor = torch.tensor([min(cpu_times)], dtype=torch.float64)
+    """The CPU time ``group`` spends on one repetition: each rank's median, summed."""
+    tensor = torch.tensor([robust(cpu_times)[0]], dtype=torch.float64)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return float(tensor) * 1e3
+
+
+def worst_spread(spreads: list[float]) -> float:
+    """The largest spread any rank holds (every rank gets the same answer)."""
+    tensor = torch.tensor([max(spreads, default=0.0)], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor)
+
+
+def until_stable(what: str, measure: Callable[[], list[dict]], max_spread: float,
+                 progress: Callable[[str], None]) -> list[dict]:
+    """``measure()`` (records with a ``spread``) again while the worst spread exceeds
+    ``max_spread``, ``ATTEMPTS`` times at most; the last attempt's records."""
+    for attempt in range(1, ATTEMPTS + 1):
+        records = measure()
+        worst = worst_spread([r["spread"] for r in records])
+        if worst <= max_spread:
+            return records
+        if attempt < ATTEMPTS:
+            progress(f"{what}: repetitions disagree by up to {worst:.0%} (bound "
+                     f"{max_spread:.0%}); measuring again ({attempt + 1}/{ATTEMPTS})")
+    progress(f"{what}: repetitions still disagree by up to {worst:.0%} after {ATTEMPTS} "
+             f"attempts (bound {max_spread:.0%})")
+    return records
 
 
 def optimizer_times(bench: StageBench, repeats: int) -> list[float]:
@@ -184,12 +224,9 @@ def optimizer_times(bench: StageBench, repeats: int) -> list[float]:
     return [timed_once(step, bench.runner.device) for _ in range(repeats)]
 
 
-def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: GroupCache,
-                   progress: Callable[[str], None]) -> list[dict]:
-    """One record per (TP, layout, stage): forward+backward ms, bytes. Every stage of
-    every TP degree is built first, then they are timed round-robin, one repetition of
-    each in turn, so that a change in the machine's load (other jobs) shifts all of
-    them alike."""
+def build_stages(recipe: Recipe, tp_sizes: list[int], cache: GroupCache
+                 ) -> list[tuple[int, str, int, StageBench | None]]:
+    """(TP, role, layers, this rank's bench or None) of every measured stage."""
     micro = recipe.training.total_micro_batches
     slots: list[tuple[int, str, int, StageBench | None]] = []
     for tp in tp_sizes:
@@ -201,7 +238,29 @@ def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: Gro
                 role = "single" if kind == "single" else "first" if stage == 0 else "last"
                 mine = runner is not None and runner.groups.position.stage == stage
                 slots.append((tp, role, layers, StageBench(runner, measured) if mine else None))
+    return slots
+
+
+def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: GroupCache,
+                   progress: Callable[[str], None], max_spread: float) -> list[dict]:
+    """One record per (TP, layout, stage): forward+backward ms, its spread, bytes.
+    Every stage of every TP degree is built first, then they are timed round-robin, one
+    repetition of each in turn, so that a change in the machine's load (other jobs)
+    shifts all of them alike."""
+    slots = build_stages(recipe, tp_sizes, cache)
     progress(f"{len(slots)} stages built (TP {tp_sizes}); timing them round-robin ...")
+    records = until_stable("stages", lambda: time_stages(slots, repeats, progress),
+                           max_spread, progress)
+    progress(f"stages measured (median of {repeats} repetitions, worst spread "
+             f"{worst_spread([r['spread'] for r in records]):.0%})")
+    gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, records)
+    return [r for part in gathered for r in part]
+
+
+def time_stages(slots: list[tuple[int, str, int, StageBench | None]], repeats: int,
+                progress: Callable[[str], None]) -> list[dict]:
+    """This rank's records (TP group leaders only) of one round-robin measurement."""
     times: list[list[float]] = [[] for _ in slots]
     cpu_times: list[list[float]] = [[] for _ in slots]
     for repetition in range(WARMUP + repeats):
@@ -222,21 +281,18 @@ def measure_stages(recipe: Recipe, tp_sizes: list[int], repeats: int, cache: Gro
             continue
         groups = bench.runner.groups
         install(groups)
-        ms = undisturbed_ms(times[i], groups.tp)
+        ms, spread = robust_ms(times[i], groups.tp)
         cpu_ms = group_cpu_ms(cpu_times[i], groups.tp)
         saved, state = bench.saved_bytes(), bench.state_bytes()
-        opt_ms = undisturbed_ms(optimizer_times(bench, repeats), groups.tp)
+        opt_ms, _ = robust_ms(optimizer_times(bench, repeats), groups.tp)
         if groups.rank == groups.tp_ranks[0]:
             records.append({"tp": tp, "role": role, "layers": layers,
-                            "forward_backward_ms": ms, "cpu_ms": cpu_ms,
+                            "forward_backward_ms": ms, "spread": spread, "cpu_ms": cpu_ms,
                             "activation_bytes": saved, "state_bytes": state,
                             "optimizer_ms": opt_ms,
                             "params": sum(p.numel() for p in bench.runner.model.parameters())})
     dist.barrier()
-    progress(f"stages measured (fastest of {repeats} repetitions)")
-    gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, records)
-    return [r for part in gathered for r in part]
+    return records
 
 
 def node_of_ranks() -> list[int]:
@@ -289,10 +345,10 @@ def measure_p2p(sizes: list[int], repeats: int, device: torch.device,
 
 
 def pair_time(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
-    """Fastest ms of ``fn`` on this rank (ranks 0 and 1 run it together)."""
+    """Median ms of ``fn`` on this rank (the two ranks of a pair run it together)."""
     for _ in range(WARMUP):
         fn()
-    return min(timed_once(fn, device) for _ in range(repeats)) * 1e3
+    return robust([timed_once(fn, device) for _ in range(repeats)])[0] * 1e3
 
 
 def measure_allreduce(sizes: list[int], repeats: int, cache: GroupCache,
@@ -312,8 +368,8 @@ def measure_allreduce(sizes: list[int], repeats: int, cache: GroupCache,
 
                 for _ in range(WARMUP):
                     reduce()
-                ms = undisturbed_ms([timed_once(reduce, device) for _ in range(repeats)],
-                                       group)
+                ms, _ = robust_ms([timed_once(reduce, device) for _ in range(repeats)],
+                                  group)
                 if dist.get_rank() == 0:
                     out.append({"ranks": d, "bytes": buf.numel() * 4, "ms": ms})
             dist.barrier()
@@ -326,10 +382,13 @@ scheduler shares the cores within a block instead of running the slots one after
 another."""
 
 
-def measure_parallelism(recipe: Recipe, repeats: int, cache: GroupCache) -> dict:
-    """Blocks of single-layer TP-1 steps on slot 0 alone, then on every slot at once,
-    in turn: how many slots compute at full speed together (``world x alone /
-    together``, per step)."""
+def measure_parallelism(recipe: Recipe, repeats: int, cache: GroupCache, max_spread: float,
+                        progress: Callable[[str], None]) -> list[dict]:
+    """Blocks of single-layer TP-1 steps on the first ``k`` slots at once, for ``k`` =
+    1 .. world in turn (one repetition of each, interleaved): ``{slots: k, ms, spread}``,
+    the step time of the slowest busy slot (``k = 1``: one slot alone). Training runs
+    keep 1 to all slots busy, and ``k`` slots on fewer cores share them with a loss
+    (switching, caches) that ``k x alone / together`` measures."""
     world = dist.get_world_size()
     one = replace(recipe, model=replace(recipe.model, num_layers=1))
     micro = recipe.training.total_micro_batches
@@ -345,26 +404,61 @@ def measure_parallelism(recipe: Recipe, repeats: int, cache: GroupCache) -> dict
         for _ in range(BLOCK):
             bench.step()
 
-    alone, together = [], []
-    for repetition in range(WARMUP + repeats):
-        dist.barrier()
-        if dist.get_rank() == 0:
-            elapsed = timed_once(block, runner.device) / BLOCK
-            if repetition >= WARMUP:
-                alone.append(elapsed)
-        dist.barrier()
-        elapsed = timed_once(block, runner.device) / BLOCK
-        if repetition >= WARMUP:
-            together.append(elapsed)
-    alone_ms = min(alone) * 1e3 if alone else 0.0
-    return {"slots": world, "alone_ms": alone_ms,
-            "together_ms": undisturbed_ms(together, None)}
+    def measure() -> list[dict]:
+        times: dict[int, list[float]] = {k: [] for k in range(1, world + 1)}
+        for repetition in range(WARMUP + repeats):
+            for k in times:
+                dist.barrier()
+                elapsed = (timed_once(block, runner.device) / BLOCK
+                           if dist.get_rank() < k else 0.0)
+                if repetition >= WARMUP:
+                    times[k].append(elapsed)
+        return [{"slots": k, **dict(zip(("ms", "spread"), robust_ms(values, None)))}
+                for k, values in times.items()]
+
+    return until_stable("slots busy at once", measure, max_spread, progress)
 
 
-def measure_links(recipe: Recipe, repeats: int, cache: GroupCache,
-                  device: torch.device) -> dict:
+def measure_handoff(repeats: int, device: torch.device, pair: tuple[int, int]) -> list[dict]:
+    """The runtime's 1F1B (``run_1f1b``, ``StageCommunicator``) on a two-stage pipeline
+    between the ranks of ``pair`` whose stages do (next to) no work, with messages of
+    ``HANDOFF_BYTES``: ``[{bytes, us, spread}]`` per micro-batch (one record, on the
+    pair's first rank), i.e. what one boundary adds to a stage's time per micro-batch
+    in the cost model's ``(micro_batches + stages - 1) x stage`` (the exchange's
+    posting, the message and the receiver's wake-up)."""
+    a, b = pair
+    rank = dist.get_rank()
+    micro = HANDOFF_MICRO_BATCHES
+    layout = layout_from_dict({"pipelines": [{"micro_batches": micro, "stages": [
+        {"tp": 1, "layers": 1, "ranks": [a]}, {"tp": 1, "layers": 1, "ranks": [b]}]}]})
+    shape = (HANDOFF_BYTES // 4, 1, 1)
+    times: list[float] = []
+    if rank in pair:
+        stage = 0 if rank == a else 1
+        comm = StageCommunicator(stage_links(layout, rank), shape, torch.float32, device)
+        weight = torch.ones(1, device=device, requires_grad=True)
+        base = torch.zeros(shape, device=device)
+
+        def forward(_: int, x: torch.Tensor | None) -> torch.Tensor:
+            return base * weight if stage == 0 else x.sum()
+
+        def pipeline() -> None:
+            run_1f1b(micro, stage, 2, comm, forward)
+
+        for _ in range(WARMUP):
+            pipeline()
+        times = [timed_once(pipeline, device) / (micro + 1) for _ in range(repeats)]
+    dist.barrier()
+    if rank != a:
+        return []
+    median, spread = robust(times)
+    return [{"bytes": HANDOFF_BYTES, "us": median * 1e6, "spread": spread}]
+
+
+def measure_links(recipe: Recipe, repeats: int, cache: GroupCache, device: torch.device,
+                  max_spread: float, progress: Callable[[str], None]) -> dict:
     """P2P inside a node and between nodes, all-reduce inside rank 0's node, at one
-    micro-batch's hidden states and at 4 MiB."""
+    micro-batch's hidden states and at 4 MiB; the 1F1B hand-off inside a node."""
     dtype_bytes = 4 if recipe.training.params_dtype == "float32" else 2
     message = (recipe.training.micro_batch_size * recipe.model.seq_length
                * recipe.model.hidden_size * dtype_bytes)
@@ -375,11 +469,13 @@ def measure_links(recipe: Recipe, repeats: int, cache: GroupCache,
            for kind, pair in ((k, pairs.get(k)) for k in ("intra", "inter"))}
     node_ranks = [r for r, n in enumerate(nodes) if n == nodes[0]]
     allreduce = measure_allreduce(sizes, 2 * repeats, cache, device, node_ranks)
+    handoff = until_stable("1F1B hand-off", lambda: measure_handoff(
+        4 * repeats, device, pairs["intra"]), max_spread, progress) if "intra" in pairs else []
     gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(gathered, p2p["intra"])
-    intra = next((part for part in gathered if part), [])
+    dist.all_gather_object(gathered, [p2p["intra"], handoff])
+    intra, handoff = next((part for part in gathered if part[0]), [[], []])
     return {"p2p": intra, "p2p_inter_node": p2p["inter"], "allreduce": allreduce,
-            "nodes": nodes}
+            "handoff": handoff[0] if handoff else None, "nodes": nodes}
 
 
 def write_profile(args: argparse.Namespace, recipe: Recipe, raw: dict, device: str) -> None:
@@ -404,6 +500,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="measure P2P and all-reduce only (no stages, no core sharing)")
     parser.add_argument("--hardware", help="profile to start from, with --profile-out")
     parser.add_argument("--profile-out", help="rank 0 also writes the hardware profile here")
+    parser.add_argument("--max-spread", type=float, default=DEFAULT_MAX_SPREAD,
+                        help="measure a kind of figure again while its repetitions' "
+                             "interquartile range exceeds this fraction of the median")
     return parser.parse_args(argv)
 
 
@@ -423,30 +522,43 @@ def main(argv: list[str] | None = None) -> int:
             print(f"elastor profile:   {line}", flush=True)
 
     cache = GroupCache()
+    code = 0
     try:
         device = device_for_rank()
         started = time.perf_counter()
-        stages = ([] if args.links_only
-                  else measure_stages(recipe, tp_sizes, args.repeats, cache, progress))
-        links = measure_links(recipe, args.repeats, cache, device)
+        stages = ([] if args.links_only else measure_stages(
+            recipe, tp_sizes, args.repeats, cache, progress, args.max_spread))
+        links = measure_links(recipe, args.repeats, cache, device, args.max_spread, progress)
+        handoff = links["handoff"]
         progress(f"P2P and all-reduce measured ({len(links['p2p'])} + "
                  f"{len(links['p2p_inter_node'])} inter-node + {len(links['allreduce'])} "
-                 f"sizes, {len(set(links['nodes']))} node(s))")
+                 f"sizes, {len(set(links['nodes']))} node(s))"
+                 + (f"; 1F1B hand-off {handoff['us']:.0f} us per micro-batch (spread "
+                    f"{handoff['spread']:.0%})" if handoff else ""))
         parallel = None
         if not args.links_only:
-            parallel = measure_parallelism(recipe, args.repeats, cache)
-            progress(f"parallelism: one slot {parallel['alone_ms']:.2f} ms per layer step, "
-                     f"{parallel['slots']} together {parallel['together_ms']:.2f} ms")
+            parallel = {"busy": measure_parallelism(recipe, args.repeats, cache,
+                                                    args.max_spread, progress)}
+            progress("parallelism: ms per layer step with k slots busy: " + ", ".join(
+                f"{b['slots']}: {b['ms']:.2f} ({b['spread']:.0%})" for b in parallel["busy"]))
         if rank == 0:
             raw = {"stages": stages, **links, "parallelism": parallel,
-                   "world": dist.get_world_size(), "seconds": time.perf_counter() - started}
+                   "world": dist.get_world_size(), "seconds": time.perf_counter() - started,
+                   "max_spread": args.max_spread}
+            raw["unstable"] = unstable(raw, args.max_spread)
             with open(args.out, "w") as f:
                 json.dump(raw, f, indent=1)
-            if args.profile_out:
+            if args.profile_out and raw["unstable"]:
+                print(f"elastor profile: not writing {args.profile_out}: repetitions "
+                      f"disagree by more than {args.max_spread:.0%} in "
+                      f"{'; '.join(raw['unstable'])}; measure again when the machine is "
+                      f"quieter", file=sys.stderr)
+                code = 1
+            elif args.profile_out:
                 write_profile(args, recipe, raw, device.type)
     finally:
         dist.destroy_process_group()
-    return 0
+    return code
 
 
 if __name__ == "__main__":
