@@ -1,6 +1,11 @@
 """``elastor demo``: the main job. Train tiny-llama on 8 CPU slots (2 nodes x 4) under
 the elastic supervisor, kill one slot and hang another, recover on 7 then 6 slots, and
-compare every step's loss with an uninterrupted run (see ``docs/elastic.md``)."""
+compare every step's loss with an uninterrupted run (see ``docs/elastic.md``).
+
+The slots' memory (``DEFAULT_HARDWARE``) is too small for the model on TP-1 stages
+alone once a node has lost a slot, so the planner gives some stages of a pipeline TP 2;
+every launch measures its ranks' memory (``--report-memory``) and the demo checks it
+against the slots'."""
 
 from __future__ import annotations
 
@@ -22,15 +27,17 @@ from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.config.run import DataConfig, RunSettings
 from elastor_mcore.data.errors import DataError
 from elastor_mcore.elastic.heartbeat import HangPolicy
-from elastor_mcore.elastic.report import read_metrics, write_report
+from elastor_mcore.elastic.report import memory_of, read_metrics, write_report
 from elastor_mcore.elastic.supervisor import Supervisor, SupervisorConfig
 from elastor_mcore.elastic.timeline import recoveries
 from elastor_mcore.elastic.torchrun import run_torchrun
-from elastor_mcore.planner import HardwareError, load_hardware, plan
+from elastor_mcore.planner import HardwareError, HardwareProfile, load_hardware, plan
+from elastor_mcore.planner.cost_model import GIB
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "elastor demo"
 TOLERANCE = 1e-5
+DEFAULT_HARDWARE = REPO / "recipes" / "hardware" / "cpu-slots-2.25mib.yaml"
 REFERENCE_LAYOUT = "dp2-tp1-pp1"
 """Losses do not depend on the layout; two plain data-parallel ranks use both cores of a
 small machine (each rank runs one BLAS thread) and halve the reference's time."""
@@ -54,8 +61,10 @@ def register(subparsers) -> None:
         "recipe": {"default": str(REPO / "recipes" / "tiny-llama.yaml")},
         "steps": {"default": 40, "help": "optimizer steps to run (default 40)"},
         "save_interval": {"default": 5, "help": "save every K steps (default 5)"}})
-    parser.add_argument("--hardware", default=str(REPO / "recipes" / "hardware" /
-                                                  "cpu-slots.yaml"))
+    parser.add_argument("--hardware", default=str(DEFAULT_HARDWARE),
+                        help="the slots' hardware profile (default: CPU slots with 2.25 MiB "
+                             "of memory for tensors each, too little for TP-1 stages alone "
+                             "once a node has lost a slot)")
     parser.add_argument("--no-profile", action="store_true",
                         help="plan with --hardware as it is instead of measuring a profile "
                              "for the recipe on this machine (once per --out, cached in "
@@ -150,6 +159,22 @@ def layout_diagrams(config: SupervisorConfig, hardware, launches) -> list[str]:
     return out
 
 
+def slot_bytes(hardware: HardwareProfile) -> float:
+    """What one slot holds for tensors: its memory less the reserve."""
+    return (hardware.memory_per_gpu_gib - hardware.memory_reserved_gib) * GIB
+
+
+def mixed_tp(layout: dict) -> list[str]:
+    """The pipelines of ``layout`` (``Layout.to_dict``) whose stages differ in TP, as
+    ``P1: TP 2, 1``."""
+    out = []
+    for p, pipe in enumerate(layout["pipelines"]):
+        tps = [stage["tp"] for stage in pipe["stages"]]
+        if len(set(tps)) > 1:
+            out.append(f"P{p}: TP {', '.join(map(str, tps))}")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
@@ -157,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         hardware = load_hardware(args.hardware)
         failures = (parse_failure(args.kill, "kill"), parse_failure(args.hang, "hang"))
         settings = replace(RunSettings.from_args(args, "demo"),
-                           failure_plan=str(out / "failure-plan.yaml"))
+                           failure_plan=str(out / "failure-plan.yaml"), report_memory=True)
         config = SupervisorConfig(
             settings=settings, recipe=recipe, hardware=hardware,
             slots=tuple(range(args.slots)), run_dir=out, failures=failures,
@@ -221,7 +246,10 @@ def run(args: argparse.Namespace) -> int:
     summary = (f"{'Finished' if outcome.finished else 'FAILED'}: {outcome.reason}. "
                f"Slots per launch: {layouts}; elastic run {elastic_s:.0f}s, reference "
                f"{took:.0f}s.")
-    settings = {"recipe": args.recipe, "hardware": args.hardware,
+    capacity = slot_bytes(supervisor.hardware)
+    settings = {"recipe": args.recipe,
+                "hardware": f"{args.hardware} ({capacity / 2**20:.2f} MiB per slot for "
+                            f"tensors)",
                 "planner profile": f"{supervisor.profile_path} (every alive slot kept busy: "
                                    f"the slots stand for GPUs)",
                 "slots": f"{args.slots} ({nodes} nodes x {hardware.gpus_per_node})",
@@ -237,12 +265,22 @@ def run(args: argparse.Namespace) -> int:
                          "elastor demo " + " ".join(sys.argv[2:]), settings, outcome.launches,
                          reference, layout_diagrams(config, supervisor.hardware,
                                                     outcome.launches),
-                         hardware.gpus_per_node, summary)
+                         hardware.gpus_per_node, summary, slot_bytes=capacity)
     print_summary(outcome, PREFIX)
     for launch in outcome.launches:
+        mixed = mixed_tp(launch.layout)
         print(f"{PREFIX}:   launch {launch.index}: {len(launch.slots):2d} slots  "
-              f"{launch.describe}")
-    ok = outcome.finished and len(items) == len(failures) and worst <= TOLERANCE
+              f"{launch.describe}" + (f"  (per-stage TP: {'; '.join(mixed)})" if mixed else ""))
+    memory = memory_of(outcome.launches)
+    fullest = max((m.measured for m in memory), default=None)
+    fits = fullest is not None and fullest <= capacity
+    if fullest is None:
+        print(f"{PREFIX}: memory: no launch reported its ranks' memory")
+    else:
+        print(f"{PREFIX}: memory: fullest rank {fullest / 2**20:.3f} MiB measured, the slots "
+              f"hold {capacity / 2**20:.2f} MiB ({'within' if fits else 'ABOVE'})")
+    ok = (outcome.finished and len(items) == len(failures) and worst <= TOLERANCE
+          and fits)
     print(f"{PREFIX}: max relative loss difference from the reference over every step run: "
           f"{worst:.2e} ({'within' if worst <= TOLERANCE else 'ABOVE'} {TOLERANCE:g})")
     print(f"{PREFIX}: wrote {out / 'report.md'}, {out / 'loss.png'}, {out / 'timeline.json'}")

@@ -60,6 +60,11 @@ def _shape(layout: Layout, p: int) -> tuple:
     return pipe.micro_batches, tuple((s.tp, s.layers) for s in pipe.stages)
 
 
+def _memory(nbytes: float) -> str:
+    """A stage's memory per GPU: GiB, or MiB below one GiB (small models, CPU slots)."""
+    return f"{nbytes / GIB:6.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:6.1f} MiB"
+
+
 def diagram(result: Plan, full_step_s: float, tokens_per_step: int, title: str) -> str:
     """Pipelines x stages, identical consecutive pipelines folded into one block."""
     layout, lines = result.layout, [title, ""]
@@ -78,7 +83,7 @@ def diagram(result: Plan, full_step_s: float, tokens_per_step: int, title: str) 
             lines.append(
                 f"  stage {s}  tp{stage.tp:<2} layers {layers.start:>3}-{layers.stop - 1:<3} "
                 f"({stage.layers:>3})  {scost.time_s * 1e3:8.1f} ms/micro-batch  "
-                f"{scost.memory.total / GIB:6.1f} GiB  GPUs {_ranges(stage.ranks)}")
+                f"{_memory(scost.memory.total)}  GPUs {_ranges(stage.ranks)}")
         p = q + 1
     step = result.cost
     parts = (f"slowest pipeline {max(pc.time_s for pc in step.pipelines):.3f} s + gradient "

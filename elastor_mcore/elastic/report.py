@@ -1,8 +1,10 @@
 """The demo's report: ``report.md`` (layouts with diagrams, recovery timeline,
-checkpoint save and load times, per-step loss against the reference) and ``loss.png``.
+checkpoint save and load times, each rank's measured memory against the slots',
+per-step loss against the reference) and ``loss.png``.
 
-Inputs are the supervisor's ``LaunchRecord``s with each launch's metrics and events,
-the reference run's losses, and a diagram per layout (``elastor plan``'s renderer).
+Inputs are the supervisor's ``LaunchRecord``s with each launch's metrics and events
+(the ``memory`` event of a launch run with ``--report-memory``), the reference run's
+losses, and a diagram per layout (``elastor plan``'s renderer).
 """
 
 from __future__ import annotations
@@ -47,6 +49,50 @@ def step_losses(launches: Sequence[LaunchRecord], reference: dict[int, float]) -
     return [StepLoss(m["step"], launch.index, m["loss"], reference[m["step"]])
             for launch in launches
             for m in read_metrics(Path(launch.dir) / "metrics.jsonl")]
+
+
+@dataclass(frozen=True)
+class MeasuredMemory:
+    """One rank's training tensors after a launch's first step, as ``--report-memory``
+    measured them (bytes), beside the planner's prediction for its stage."""
+
+    launch: int
+    slot: int
+    where: str
+    measured: float
+    predicted: float | None
+
+
+def memory_of(launches: Sequence[LaunchRecord]) -> list[MeasuredMemory]:
+    """Every rank of every launch that reported its memory (the worker's ``memory``
+    event: weights, gradients, optimizer state and peak saved activations), by slot
+    (torchrun rank ``r`` of a launch runs on its ``r``-th slot)."""
+    def total(parts: dict[str, float] | None) -> float | None:
+        return None if parts is None else sum(v for k, v in parts.items() if k != "reserved")
+    return [MeasuredMemory(launch.index, launch.slots[r["rank"]], r["where"],
+                           total(r["measured"]), total(r["predicted"]))
+            for launch in launches for event in launch.events("memory")[:1]
+            for r in event["ranks"]]
+
+
+def memory_section(memory: Sequence[MeasuredMemory], slot_bytes: float) -> list[str]:
+    """Markdown: every rank's measured memory against the slot's and the planner's."""
+    mib = 2**20
+    if not memory:
+        return ["No launch reported its memory (run with --report-memory).", ""]
+    worst = max(memory, key=lambda m: m.measured)
+    md = [f"Each slot holds **{slot_bytes / mib:.2f} MiB** of training tensors (the "
+          f"hardware profile's memory less its reserve). Measured by `--report-memory` "
+          f"after each launch's first step: weights, gradients, optimizer state and the "
+          f"peak of the activations saved for backward. Fullest rank: "
+          f"**{worst.measured / mib:.3f} MiB** ({worst.measured / slot_bytes:.0%} of the "
+          f"slot), launch {worst.launch} {worst.where} (slot {worst.slot}).", "",
+          "| launch | slot | stage | measured | planner | of the slot |",
+          "|---|---|---|---|---|---|"]
+    md += [f"| {m.launch} | {m.slot} | {m.where} | {m.measured / mib:.3f} MiB | "
+           + (f"{m.predicted / mib:.3f} MiB" if m.predicted is not None else "-")
+           + f" | {m.measured / slot_bytes:.0%} |" for m in memory]
+    return md + [""]
 
 
 def plot_losses(path: str | os.PathLike, reference: dict[int, float],
@@ -99,9 +145,10 @@ def plot_losses(path: str | os.PathLike, reference: dict[int, float],
 def write_report(out: str | os.PathLike, title: str, command: str,
                  settings: dict[str, Any], launches: Sequence[LaunchRecord],
                  reference: dict[int, float], diagrams: Sequence[str],
-                 gpus_per_node: int, summary: str) -> float:
+                 gpus_per_node: int, summary: str, slot_bytes: float | None = None) -> float:
     """Write ``report.md`` and ``loss.png`` into ``out``; returns the largest relative
-    loss difference from the reference over every step run."""
+    loss difference from the reference over every step run. With ``slot_bytes`` (a
+    slot's memory for tensors), a section holds each rank's measured memory against it."""
     out = Path(out)
     items = recoveries(launches)
     losses = step_losses(launches, reference)
@@ -139,6 +186,8 @@ def write_report(out: str | os.PathLike, title: str, command: str,
                   f"{launch.predicted_step_s:.3f} s | {cells[0]} | {cells[1]} |")
     md += ["", "Measured on this machine while the run shared it; see "
            "`tools/check_planner.py` for interleaved comparisons.", ""]
+    if slot_bytes is not None:
+        md += ["## Memory per rank", ""] + memory_section(memory_of(launches), slot_bytes)
     md += ["## Recovery timeline", "",
            "Seconds per phase, from the failure to the first step on the new layout. "
            "detect: failure injected → supervisor notices; stop: kill the job; probe: find "

@@ -14,6 +14,9 @@ import os
 import statistics
 import sys
 import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -141,6 +144,21 @@ def print_peak_memory(reports) -> None:
         print(line, flush=True)
 
 
+def peak_memory_reporter(settings: RunSettings) -> Callable[[list], None]:
+    """``print_peak_memory``; under the supervisor (``elastic_dir``) also a ``memory``
+    event with every rank's measured and predicted bytes, which ``elastor demo``'s
+    report holds against the slots' memory."""
+    def report(reports) -> None:
+        print_peak_memory(reports)
+        if settings.elastic_dir:
+            rank_hooks.append_event(
+                Path(settings.elastic_dir) / rank_hooks.EVENTS_FILE, "memory",
+                ranks=[{"rank": m.rank, "where": m.where, "measured": asdict(m.measured),
+                        "predicted": asdict(m.predicted) if m.predicted else None,
+                        "rss_peak": m.rss_peak} for m in reports])
+    return report
+
+
 @record
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
@@ -155,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == min(layout.ranks) else None
     try:
         train(RunConfig(recipe, layout, settings, on_step=printer, on_memory=print_memory,
-                        on_peak_memory=print_peak_memory,
+                        on_peak_memory=peak_memory_reporter(settings),
                         hooks=rank_hooks.from_settings(settings, dist.get_rank())))
     finally:
         if printer:
