@@ -224,6 +224,17 @@ def process_group_collection():
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
+def set_tensor_parallel_args(args, tp: int) -> None:
+    """Set Megatron-LM's parsed ``args`` to TP degree ``tp`` after its validation.
+
+    From 0.19, ``TransformerConfig`` also takes ``tensor_parallel_num_weight_shards``
+    (TP x GTP-remat), which Megatron-LM's validation resolved for the validated TP;
+    it must follow the new degree or the config refuses a TP > 1 stage."""
+    args.tensor_model_parallel_size = tp
+    if getattr(args, "tensor_parallel_num_weight_shards", None) is not None:
+        args.tensor_parallel_num_weight_shards = tp * getattr(args, "gtp_weight_remat_size", 1)
+
+
 # ------------------------------------------------------------------ torch_dist checkpoints
 
 TORCH_DIST_COMMON_FILE = "common.pt"
