@@ -23,7 +23,6 @@ import pytest
 import yaml
 
 from elastor_mcore.cli import main as elastor_cli
-from elastor_mcore.compat.mcore import mcore_version
 from tests.pretrain_gpt_run import PretrainRun, run_pretrain_gpt
 
 GLOBAL_BATCH = 12
@@ -145,10 +144,6 @@ class Runs:
 
 @pytest.fixture(scope="module")
 def fp32(patched_megatron_lm, megatron_lm_dir, tmp_path_factory) -> Runs:
-    if mcore_version() >= (0, 19):
-        pytest.skip("per-stage TP under Megatron-LM core_v0.19.0 needs adapt_args to set "
-                    "args.tensor_parallel_num_weight_shards to the stage's TP (it keeps "
-                    "the validated 1 and TransformerConfig refuses a TP-2 stage)")
     return Runs(Runner(megatron_lm_dir, tmp_path_factory.mktemp("hetero_fp32")))
 
 

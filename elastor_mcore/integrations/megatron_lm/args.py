@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 from elastor_mcore.integrations.megatron_lm import hooks
 from elastor_mcore.checkpoint import ChunkPolicy
 from elastor_mcore.checkpoint.location import is_url
+from elastor_mcore.compat.mcore import set_tensor_parallel_args
 from elastor_mcore.parallel.groups import RankGroups
 from elastor_mcore.parallel.layout import (
     Layout, LayoutError, layout_from_dict, load_layout, mcore_pipeline_layout)
@@ -277,7 +278,7 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None) -> None:
     layout = groups.layout
     pipeline = layout.pipelines[groups.position.pipeline]
     stage_layers = [s.layers for s in pipeline.stages]
-    args.tensor_model_parallel_size = pipeline.stages[groups.position.stage].tp
+    set_tensor_parallel_args(args, pipeline.stages[groups.position.stage].tp)
     args.pipeline_model_parallel_size = len(stage_layers)
     if args.data_parallel_size != len(layout.pipelines):
         from megatron.core.num_microbatches_calculator import (

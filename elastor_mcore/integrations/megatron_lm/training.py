@@ -76,8 +76,12 @@ def unsupported_reason(layout: Layout, args) -> str | None:
     if getattr(args, "fp16", False):
         return ("--fp16 on a heterogeneous layout: the loss-scaler's inf check would "
                 "only cover one pipeline; use --bf16")
-    for flag, attr in (("--sequence-parallel", "sequence_parallel"),
-                       ("--overlap-grad-reduce", "overlap_grad_reduce"),
+    if getattr(args, "sequence_parallel", False):
+        return ("--sequence-parallel on a heterogeneous layout: the hooked schedule sends "
+                "whole activations between stages and does not sum the sequence-parallel "
+                "norm gradients over TP (mcore's local norms refuse it anyway); drop "
+                "--sequence-parallel (or train it with `elastor train`)")
+    for flag, attr in (("--overlap-grad-reduce", "overlap_grad_reduce"),
                        ("--overlap-param-gather", "overlap_param_gather")):
         if getattr(args, attr, False):
             return (f"{flag} on a heterogeneous layout: Elastor's schedule exchanges full "
@@ -145,6 +149,7 @@ def install(patch: Patch, groups: Callable[[], RankGroups | None],
 
     global _state
     _state = _State(groups, layout)
+    patch(training, "setup_model_and_optimizer", _wrap_setup_model)
     patch(training, "train", _wrap_train)
     patch(training, "get_forward_backward_func", _wrap_schedule_getter)
     patch(training, "build_pretraining_data_loader", _wrap_data_loader)
@@ -178,6 +183,34 @@ _state: _State | None = None
 
 def _active() -> bool:
     return _state is not None and _state.active()
+
+
+def _wrap_setup_model(original):
+    """At core_r0.19.0 ``pretrain_gpt.py`` builds the model config (``cfg_container.model``)
+    from the arguments before ``pretrain`` installs the parallel state, i.e. before
+    ``adapt_args`` gives this rank its stage: built from it, every stage would hold the
+    whole decoder at the placeholder TP and PP. Under a layout the model config is built
+    again from the adapted arguments (core_v0.16.1 passes no container: its model
+    provider reads the arguments when it builds the model)."""
+    def setup_model_and_optimizer(*args, **kwargs):
+        container = kwargs.get("cfg_container")
+        if container is not None and getattr(container, "model", None) is not None \
+                and _state.layout() is not None:
+            container.model = _model_config_from_args(container.model)
+        return original(*args, **kwargs)
+    return setup_model_and_optimizer
+
+
+def _model_config_from_args(built):
+    """``built``'s class of model config from this rank's adapted arguments."""
+    from megatron.training import get_args
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models import GPTModelConfig
+
+    if not isinstance(built, GPTModelConfig):
+        raise RuntimeError(f"--elastor-layout builds GPT models only; Megatron-LM's model "
+                           f"config is a {type(built).__name__}")
+    return gpt_config_from_args(get_args(), model_config_cls=type(built))
 
 
 def _wrap_train(original):
