@@ -106,3 +106,45 @@ def test_cuda_probe_counts_a_stuck_device_dead():
     stuck = "import time, os\nif os.environ['CUDA_VISIBLE_DEVICES'] == '1': time.sleep(60)\n"
     assert probe_cuda([0, 1, 2], timeout_s=5, script=stuck) == [0, 2]
     assert probe_cuda([0], timeout_s=10, script="raise SystemExit(3)") == []
+
+
+def test_round_plan_numbers_devices_by_node_and_maps_back_to_round_ranks():
+    """Node b (group rank 0 of the round) has slots 0 and 1 with slot 1 dead; node a
+    (group rank 1) slot 0: the planner sees devices 0 (b.0) and 2 (a.0), two nodes of
+    2, and the layout it returns names round ranks 0 and 2."""
+    from elastor_mcore.config.recipe import load_recipe
+    from elastor_mcore.planner import load_hardware
+    from elastor_mcore.runtime.rendezvous_round import Member, plan_round, planner_slots
+    members = [Member(0, "b", 0, 0, True, 0.0, 0.0), Member(1, "b", 0, 1, False, 0.0, 0.0),
+               Member(2, "a", 1, 0, True, 0.0, 0.0)]
+    assert planner_slots(members) == ({0: 0, 2: 2}, 2)
+    plan = plan_round(members, load_recipe(TINY),
+                      load_hardware(REPO / "recipes" / "hardware" / "cpu-slots.yaml"),
+                      str(REPO / "no-such-checkpoint"), use_all=True, number=7)
+    used = sorted(r for p in plan.layout["pipelines"] for s in p["stages"] for r in s["ranks"])
+    assert (plan.round, used, plan.resumed_from) == (7, [0, 2], None)
+    assert plan.active(2) and not plan.active(1)
+    nothing = [Member(0, "b", 0, 0, False, 0.0, 0.0)]
+    gave_up = plan_round(nothing, load_recipe(TINY),
+                         load_hardware(REPO / "recipes" / "hardware" / "cpu-slots.yaml"),
+                         str(REPO / "no-such-checkpoint"), use_all=False, number=8)
+    assert gave_up.layout is None
+    assert gave_up.reason.startswith("gave up: the 0 healthy devices [] cannot hold the model")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nnodes", "1:2"], "--nnodes need --rdzv-endpoint"),
+    (["--rdzv-endpoint", "127.0.0.1:29500"], "--rdzv-endpoint needs --nnodes and --rdzv-id"),
+    (["--rdzv-endpoint", "127.0.0.1", "--nnodes", "2", "--rdzv-id", "j"],
+     "--rdzv-endpoint must be HOST:PORT"),
+    (["--rdzv-endpoint", "h:1", "--nnodes", "two", "--rdzv-id", "j"],
+     "--nnodes must be N or MIN:MAX"),
+])
+def test_launch_refuses_incomplete_rendezvous_flags(tmp_path, capsys, args, message):
+    code = cli.main(["launch", "--recipe", str(TINY), "--hardware",
+                     str(REPO / "recipes" / "hardware" / "cpu-slots.yaml"), "--steps", "4",
+                     "--run-dir", str(tmp_path / "run"), "--save-interval", "2",
+                     "--devices", "cpu", *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

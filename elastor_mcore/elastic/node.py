@@ -8,14 +8,13 @@ agent stops its workers and the next round starts fresh ones on the nodes presen
 which agree on a layout for the healthy devices (``runtime.rendezvous_round``) and
 resume from the latest committed checkpoint. This launcher adds what torch has not:
 
-- hangs: a worker whose heartbeat stops is SIGKILLed (torch then sees a failure), and
-  its slot counts as dead for the rounds after;
+- hangs: a worker whose heartbeat stops is SIGKILLed (torch then sees a failure);
 - the agent's log lines, timestamped as they arrive (detection, rendezvous, start of
   workers), for the recovery timeline (``node_timeline``);
 - the job's end, as its workers wrote it (finished, or given up with the reason).
 
 Node directory (``<run dir>/nodes/<node>/<K>``, K counting this node's launches: a node
-started again is a repaired node, its slots healthy)::
+started again is a repaired node: the failures injected before do not count)::
 
     agent.log         the agent's and workers' output
     launcher.jsonl    agent lines and hang kills, timestamped
@@ -218,8 +217,10 @@ class NodeLauncher:
         return read_beats(current / HEARTBEAT_DIR) if current else {}
 
     def _kill_hung(self) -> None:
-        """SIGKILL this round's silent workers; torch sees a failed worker and the
-        next round counts the slot dead (``hang_killed`` in launcher.jsonl)."""
+        """SIGKILL this round's silent workers (``hang_killed`` in launcher.jsonl):
+        torch sees failed workers and starts the next round. A hung collective silences
+        every rank in it, on every node, so each node kills its own; as on one host,
+        only an injected failure (or the CUDA probe) makes a slot dead."""
         cfg = self.config
         now = time.time()
         for slot, beat in self._beats().items():
@@ -229,8 +230,7 @@ class NodeLauncher:
                 append_event(self.events, "hang_killed", slot=slot, pid=beat.pid,
                              silent_s=now - beat.time, step=beat.step)
                 self.on_message(f"node {cfg.node}: slot {slot} sent no heartbeat for "
-                                f"{now - beat.time:.0f}s (step {beat.step}): hung; killed, "
-                                f"and counted dead from the next round")
+                                f"{now - beat.time:.0f}s (step {beat.step}): hung; killed")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(beat.pid, signal.SIGKILL)
 

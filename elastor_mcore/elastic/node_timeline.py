@@ -90,8 +90,9 @@ def _summary(record: dict[str, Any]) -> RoundSummary:
 def _cause(failures: list[dict[str, Any]], kills: list[dict[str, Any]],
            detected: dict[str, Any] | None, before: RoundSummary, after: RoundSummary) -> str:
     parts = [f"{e['kind']} of slot {e['slot']} at step {e['step']}" for e in failures]
-    parts += [f"slot {k['slot']} killed after {k['silent_s']:.0f}s without a heartbeat"
-              for k in kills]
+    if kills:
+        parts.append(f"slots {sorted(k['slot'] for k in kills)} killed after "
+                     f"{max(k['silent_s'] for k in kills):.0f}s without a heartbeat")
     lost = sorted(set(before.nodes) - set(after.nodes))
     joined = sorted(set(after.nodes) - set(before.nodes))
     if lost:

@@ -4,8 +4,9 @@ healthy, which layout every rank runs, and when the run is over.
 Torch's elastic agent (one per node, started by ``elastic.node``) does membership: at
 every round it starts a fresh set of workers on the nodes present. Each worker then
 
-1. checks its own device (CPU: its slot is not marked dead by a failure that this
-   node's launcher saw, nor by the health file; CUDA: also a kernel under a timeout),
+1. checks its own device (CPU: no failure was injected into its slot since this
+   node's launcher started, and the health file does not list it; CUDA: also a kernel
+   under a timeout),
 2. joins the round's gloo world and gathers every rank's (node, slot, healthy),
 3. rank 0 numbers the round (a counter in the rendezvous store, which outlives the
    rounds) and plans once on the healthy (node, slot) set; the plan reaches every rank
@@ -34,8 +35,7 @@ from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.runtime.device_probe import probe_cuda
-from elastor_mcore.runtime.rank_hooks import (EVENTS_FILE, LAUNCHER_EVENTS, ROUNDS_DIR,
-                                             read_events)
+from elastor_mcore.runtime.rank_hooks import EVENTS_FILE, ROUNDS_DIR, read_events
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +117,11 @@ class RoundPlan:
 
 
 def dead_slots(ctx: NodeContext) -> set[int]:
-    """Local slots of this node known dead: a failure injected into one, a rank the
-    launcher killed as hung, or a slot the health file lists (YAML list of slots)."""
-    dead = {e["slot"] for e in read_events(ctx.node_dir / LAUNCHER_EVENTS, "hang_killed")}
+    """Local slots of this node known dead: a failure injected into one (as on one
+    host), or a slot the health file lists (YAML list of slots). A rank killed as hung
+    is not: a hung collective silences every rank in it, and the next round's probe
+    (CUDA) tells a dead device from a waiting one."""
+    dead = set()
     for events in (ctx.node_dir / ROUNDS_DIR).glob(f"*/{EVENTS_FILE}"):
         dead.update(e["slot"] for e in read_events(events, "failure"))
     if ctx.health_file and Path(ctx.health_file).is_file():
