@@ -79,7 +79,8 @@ group's ranks then stay awake between collectives); figures are per micro-batch.
 ATTEMPTS = 3
 """Measurements of one kind of figure before its spread is given up on."""
 HANDOFF_BYTES = 256
-HANDOFF_MICRO_BATCHES = 16
+HANDOFF_MICRO_BATCHES = 8
+"""Messages of the hand-off measurement (256 bytes) and micro-batches per repetition."""
 
 
 def stage_kinds() -> list[tuple[str, int, list[int]]]:
@@ -470,7 +471,7 @@ def measure_links(recipe: Recipe, repeats: int, cache: GroupCache, device: torch
     node_ranks = [r for r, n in enumerate(nodes) if n == nodes[0]]
     allreduce = measure_allreduce(sizes, 2 * repeats, cache, device, node_ranks)
     handoff = until_stable("1F1B hand-off", lambda: measure_handoff(
-        4 * repeats, device, pairs["intra"]), max_spread, progress) if "intra" in pairs else []
+        2 * repeats, device, pairs["intra"]), max_spread, progress) if "intra" in pairs else []
     gathered: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, [p2p["intra"], handoff])
     intra, handoff = next((part for part in gathered if part[0]), [[], []])
