@@ -1,8 +1,9 @@
 """Megatron-LM's real ``pretrain_gpt.py`` (patched copy of $MEGATRON_LM_DIR) with Elastor's
 flags, on CPU/gloo under torchrun: uniform layouts, bf16, distributed and plain
 optimizer, async zarr saves to S3 (``--save s3://``, a real S3 server on 127.0.0.1,
-``tests/s3_server.py``) resumed from there under another layout; and Elastor's flags
-through Megatron-LM's own argument parser and validation.
+``tests/s3_server.py``) resumed from there under another uniform layout and under a
+heterogeneous one (bf16 through the hooked schedule); and Elastor's flags through
+Megatron-LM's own argument parser and validation.
 
 Noise floor: the same 8 iterations (same weights by ``--use-cpu-initialization``,
 same mock data) trained as TP2 x DP2 with the plain optimizer and as TP1 x DP4
@@ -69,11 +70,29 @@ def uniform_runs(patched_megatron_lm, tmp_path_factory, s3):
     return root, layout_run, plain_run
 
 
-def _resumed_run(patched_megatron_lm, root: Path):
+HETERO_LAYOUT = ("pipelines:\n"
+                 "  - {micro_batches: 6, stages: [{tp: 2, layers: 5}, {tp: 1, layers: 3}]}\n"
+                 "  - {micro_batches: 10, stages: [{tp: 1, layers: 8}]}\n")
+"""4 ranks: a ``[tp2 | tp1]`` pipeline of uneven layers beside a one-stage TP1 one, 6 and
+10 micro-batches of the global 16."""
+HETERO_EXIT = SAVE_AT + 2
+"""The heterogeneous resume trains two iterations (``iteration_losses`` needs two)."""
+
+
+def _resumed_run(patched_megatron_lm, root: Path, layout: str = "dp2-tp1-pp2",
+                 name: str = "b", *args: str):
     """Iteration ``SAVE_AT`` (the tracker names the later one) loaded from S3."""
     return _run(patched_megatron_lm, 4, [
-        "--elastor-layout", "dp2-tp1-pp2", "--elastor-ckpt-format", "zarr",
-        "--load", SAVE_URL, "--ckpt-step", str(SAVE_AT)], root / "b")
+        "--elastor-layout", layout, "--elastor-ckpt-format", "zarr",
+        "--load", SAVE_URL, "--ckpt-step", str(SAVE_AT), *args], root / name)
+
+
+def _floor(layout_run, plain_run) -> float:
+    steps = list(range(1, ITERS + 1))
+    floor = max_relative_difference([layout_run.losses[i] for i in steps],
+                                    [plain_run.losses[i] for i in steps])
+    assert floor <= FLOOR_MAX, (floor, layout_run.losses, plain_run.losses)
+    return floor
 
 
 @pytest.mark.slow
@@ -85,11 +104,8 @@ def test_layout_derives_megatron_parallel_sizes(uniform_runs):
         assert f"data_parallel_size .............................. {dp}" in run.stdout
     assert sorted(layout_run.losses) == sorted(plain_run.losses) == list(range(1, ITERS + 1))
     assert set(layout_run.skipped) == {0}
-    steps = list(range(1, ITERS + 1))
-    floor = max_relative_difference([layout_run.losses[i] for i in steps],
-                                    [plain_run.losses[i] for i in steps])
+    floor = _floor(layout_run, plain_run)
     print(f"\nnoise floor (TP2xDP2 plain vs TP1xDP4 distopt, {ITERS} steps): {floor:.2e}")
-    assert floor <= FLOOR_MAX, (floor, layout_run.losses, plain_run.losses)
     for it in (SAVE_AT, ITERS):  # the async saves to S3, the tracker after them
         assert megatron_dir.is_zarr_checkpoint(f"{SAVE_URL}/iter_{it:07d}")
     tracker = ObjectPath(SAVE_URL) / "latest_checkpointed_iteration.txt"
@@ -102,10 +118,7 @@ def test_zarr_saved_async_and_resumed_under_another_layout_continues_the_loss(
         uniform_runs, patched_megatron_lm):
     root, layout_run, plain_run = uniform_runs
     resumed = _resumed_run(patched_megatron_lm, root)
-    steps = list(range(1, ITERS + 1))
-    floor = max_relative_difference([layout_run.losses[i] for i in steps],
-                                    [plain_run.losses[i] for i in steps])
-    assert floor <= FLOOR_MAX, (floor, layout_run.losses, plain_run.losses)
+    floor = _floor(layout_run, plain_run)
     after = list(range(SAVE_AT + 1, ITERS + 1))
     assert sorted(resumed.losses) == after, resumed.losses
     difference = max_relative_difference([resumed.losses[i] for i in after],
@@ -114,6 +127,30 @@ def test_zarr_saved_async_and_resumed_under_another_layout_continues_the_loss(
     print(f"\nnoise floor (TP2xDP2 plain vs TP1xDP4 distopt, {ITERS} steps): {floor:.2e}; "
           f"resumed TP1xPP2xDP2 vs uninterrupted: {difference:.2e} (tolerance "
           f"{tolerance:.2e})")
+    assert difference <= tolerance, (difference, tolerance, resumed.losses,
+                                     layout_run.losses)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3000)
+def test_bf16_heterogeneous_resume_continues_the_loss(uniform_runs, patched_megatron_lm):
+    """The TP2 x DP2 run's iteration-4 zarr checkpoint resumed on a heterogeneous layout
+    (per-stage TP, uneven layers, pipelines of 2 and 1 stages and 6 and 10 micro-batches)
+    in bf16 through Megatron-LM's loop continues the uninterrupted run within the floor."""
+    root, layout_run, plain_run = uniform_runs
+    layout = root / "hetero.yaml"
+    layout.write_text(HETERO_LAYOUT)
+    resumed = _resumed_run(patched_megatron_lm, root, str(layout), "hetero",
+                           "--exit-interval", str(HETERO_EXIT))
+    floor = _floor(layout_run, plain_run)
+    after = list(range(SAVE_AT + 1, HETERO_EXIT + 1))
+    assert sorted(resumed.losses) == after, resumed.losses
+    assert set(resumed.skipped) == {0}
+    difference = max_relative_difference([resumed.losses[i] for i in after],
+                                         [layout_run.losses[i] for i in after])
+    tolerance = max(FLOOR_FACTOR * floor, FLOOR_MIN)
+    print(f"\nnoise floor {floor:.2e}; heterogeneous bf16 resume (iterations {after}) vs "
+          f"uninterrupted TP2xDP2: {difference:.2e} (tolerance {tolerance:.2e})")
     assert difference <= tolerance, (difference, tolerance, resumed.losses,
                                      layout_run.losses)
 
