@@ -136,6 +136,8 @@ class NodeLauncher:
         self.on_message = on_message
         self.node_dir = next_node_dir(config.run_dir, config.node)
         self.events = self.node_dir / LAUNCHER_EVENTS
+        self.killed: set[int] = set()
+        """Workers killed as hung (dying takes a moment: kill each once)."""
 
     def command(self) -> list[str]:
         cfg = self.config
@@ -224,13 +226,14 @@ class NodeLauncher:
         cfg = self.config
         now = time.time()
         for slot, beat in self._beats().items():
-            if not process_running(beat.pid):
+            if beat.pid in self.killed or not process_running(beat.pid):
                 continue
             if cfg.hang.silent_slots([slot], {slot: beat}, beat.time, now, cfg.settings.steps):
                 append_event(self.events, "hang_killed", slot=slot, pid=beat.pid,
                              silent_s=now - beat.time, step=beat.step)
                 self.on_message(f"node {cfg.node}: slot {slot} sent no heartbeat for "
                                 f"{now - beat.time:.0f}s (step {beat.step}): hung; killed")
+                self.killed.add(beat.pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(beat.pid, signal.SIGKILL)
 

@@ -8,9 +8,11 @@ first step). A recovery's phases, in the order they happen::
     failure -> detect (agent sees it) -> rendezvous (next round formed) -> relaunch
     (workers start, import, join the round) -> probe -> plan -> load -> first step
 
-A node only times what it saw: the failure of another node's worker, or a lost node,
-has no failure time here (detect is then unknown), and a node whose ranks were idle
-in the next round has no load or first step.
+A failure's time is its injection (failure plan) or, for a hang, the silent rank's
+last heartbeat. A node only times what it saw: the failure of another node's worker,
+a worker killed from outside or a lost node has no failure time here (detect is then
+unknown), and a node whose ranks were idle in the next round has no load or first
+step.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _cause(failures: list[dict[str, Any]], kills: list[dict[str, Any]],
            detected: dict[str, Any] | None, before: RoundSummary, after: RoundSummary) -> str:
     parts = [f"{e['kind']} of slot {e['slot']} at step {e['step']}" for e in failures]
     if kills:
-        parts.append(f"slots {sorted(k['slot'] for k in kills)} killed after "
+        parts.append(f"slots {sorted({k['slot'] for k in kills})} killed after "
                      f"{max(k['silent_s'] for k in kills):.0f}s without a heartbeat")
     lost = sorted(set(before.nodes) - set(after.nodes))
     joined = sorted(set(after.nodes) - set(before.nodes))
@@ -100,8 +102,8 @@ def _cause(failures: list[dict[str, Any]], kills: list[dict[str, Any]],
     if joined:
         parts.append(f"node {', '.join(joined)} joined")
     if not parts and detected is not None:
-        parts.append("a worker of another node failed" if detected["event"] == "agent_failed"
-                     else "a node joined")
+        parts.append("a worker failed (of this node or another)"
+                     if detected["event"] == "agent_failed" else "a node joined")
     return "; ".join(parts) or "unknown"
 
 
@@ -119,6 +121,8 @@ def _recovery(node_dir: Path, prev: dict[str, Any], nxt: dict[str, Any],
     formed = _first_after(agent, ("rendezvous_done",),
                           detected["time"] if detected else window[0], start_next)
     failed_at = failures[0]["time"] if failures else None
+    if failed_at is None and kills:  # a hang: from the last heartbeat
+        failed_at = min(k["time"] - k["silent_s"] for k in kills)
     detect_s = detected["time"] - failed_at if detected and failed_at else None
     rendezvous_s = formed["time"] - detected["time"] if formed and detected else None
     probe_s = max(m["probe_s"] for m in nxt["members"])

@@ -137,8 +137,10 @@ def check_device(ctx: NodeContext, started_at: float) -> Member:
     """This rank's report: its slot's health (probed on CUDA)."""
     start = time.perf_counter()
     healthy = ctx.local_rank not in dead_slots(ctx)
-    if healthy and ctx.devices == "cuda":
-        healthy = probe_cuda([ctx.local_rank], ctx.probe_timeout_s) == [ctx.local_rank]
+    if healthy and ctx.devices == "cuda":  # the probe sets CUDA_VISIBLE_DEVICES itself
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        device = int(visible.split(",")[ctx.local_rank]) if visible else ctx.local_rank
+        healthy = probe_cuda([device], ctx.probe_timeout_s) == [device]
     return Member(ctx.rank, ctx.node, ctx.group_rank, ctx.local_rank, healthy,
                   started_at, time.perf_counter() - start)
 
