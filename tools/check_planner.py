@@ -207,8 +207,9 @@ def summary(runs: list[dict | None]) -> None:
             print(f"| {i} | | the training world failed | | | |")
             continue
         if "refused" in r:
-            print(f"| {i} | {r['load_average_1min'][0]:.1f} | meaningless: profile refused "
-                  f"({r['refused'].split('. ')[0]}) | | | |")
+            before, after = r["load_average_1min"]
+            print(f"| {i} | {before:.1f} -> {after:.1f} | meaningless: the profile was refused "
+                  f"(repetitions disagree beyond --max-spread) | | | |")
             continue
         m, f = r["median"], r["fastest"]
         print(f"| {i} | {r['load_average_1min'][0]:.1f} -> {r['load_average_1min'][1]:.1f} | "
