@@ -206,11 +206,12 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
              "1"]),
         (4, ["--elastor-layout", str(hetero), "--use-distributed-optimizer"]),
         (4, ["--elastor-layout", str(hetero), TIED]),
+        (4, ["--elastor-layout", str(hetero), "--sequence-parallel"]),
         (1, ["--elastor-ckpt-format", "zarr", "--ckpt-format", "torch"]),
         (1, ["--elastor-ckpt-keep", "-1"]),
     ], tmp_path)
     (derived, with_batch, from_file, conflict, bad_batch, idle, virtual, distopt, tied,
-     ckpt_format, keep) = results
+     sequence_parallel, ckpt_format, keep) = results
     # Megatron's default global batch (micro-batch x DP) for a shorthand; the file's
     # micro-batch counts otherwise; Megatron's validation passed on each.
     assert derived == {"exit": 0, "tp": 2, "pp": 1, "dp": 2, "gbs": 2}
@@ -225,6 +226,9 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
         in distopt["error"], distopt
     assert tied["exit"] == 2 and "tied embeddings on a pipeline of several stages" in \
         tied["error"] and "pass --untie-embeddings-and-output-weights" in tied["error"], tied
+    assert sequence_parallel["exit"] == 2 and "--sequence-parallel on a heterogeneous" in \
+        sequence_parallel["error"] and "drop --sequence-parallel" in \
+        sequence_parallel["error"], sequence_parallel
     assert ckpt_format["exit"] == 2 and "drop --ckpt-format torch" in ckpt_format["error"]
     assert keep["exit"] == 2 and "--elastor-ckpt-keep=-1" in keep["error"], keep
 

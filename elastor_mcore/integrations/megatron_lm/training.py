@@ -37,6 +37,9 @@ logging, checkpoints) as it is:
   replicas, so ``train`` first sets ``args.data_parallel_size`` to that group's size
   and the micro-batch calculator to the matching count: consumed samples and the lr
   schedule then advance by the global batch on every rank.
+* **Model config.** At core_r0.19.0 ``pretrain_gpt.py`` builds the model config before
+  the parallel state exists; under any layout it is rebuilt from this rank's adapted
+  arguments before the model is (``_wrap_setup_model``).
 
 Evaluation runs the same forward steps without backward (``forward_only``).
 Everything else (what Megatron-LM's loop cannot do under such a layout, like the
@@ -71,8 +74,9 @@ def unsupported_reason(layout: Layout, args) -> str | None:
     (None: it can). Checked before any rank starts training."""
     if getattr(args, "use_distributed_optimizer", False):
         return ("--use-distributed-optimizer on a heterogeneous layout: Megatron's "
-                "distributed optimizer shards over data-parallel replicas, which differ "
-                "between these pipelines; drop the flag (or train it with `elastor train`)")
+                "distributed optimizer is not run under Elastor's schedule (its checkpoints "
+                "do not interchange with the plain optimizer's); drop the flag (`elastor "
+                "train` shards the optimizer over each stage's replicas)")
     if getattr(args, "fp16", False):
         return ("--fp16 on a heterogeneous layout: the loss-scaler's inf check would "
                 "only cover one pipeline; use --bf16")
