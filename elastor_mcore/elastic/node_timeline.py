@@ -103,7 +103,8 @@ def _cause(failures: list[dict[str, Any]], kills: list[dict[str, Any]],
         parts.append(f"node {', '.join(joined)} joined")
     if not parts and detected is not None:
         parts.append("a worker failed (of this node or another)"
-                     if detected["event"] == "agent_failed" else "a node joined")
+                     if detected["event"] == "agent_failed" else
+                     "a node entered the rendezvous (new, or after its worker failed)")
     return "; ".join(parts) or "unknown"
 
 
