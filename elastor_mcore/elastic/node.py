@@ -40,13 +40,14 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from elastor_mcore.checkpoint.lease import CheckpointLease
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
+from elastor_mcore.checkpoint.location import ObjectPath
 from elastor_mcore.config.failure_plan import Failure, validate
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.run import RunSettings
 from elastor_mcore.elastic import node_timeline
 from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
-from elastor_mcore.elastic.supervisor import STOP_GRACE_S, process_running, stop_job
+from elastor_mcore.elastic.supervisor import (STOP_GRACE_S, process_running,
+                                              run_checkpoint_dir, stop_job)
 from elastor_mcore.elastic.torchrun import (Rendezvous, elastic_agent_command,
                                             forwarding_stop_signals, start_torchrun)
 from elastor_mcore.runtime.rank_hooks import (HEARTBEAT_DIR, LAUNCHER_EVENTS, OUTCOME_FILE,
@@ -102,9 +103,7 @@ class NodeConfig:
 
     @property
     def checkpoint_dir(self) -> Path | ObjectPath:
-        if self.checkpoint_root is None:
-            return self.run_dir / "checkpoints"
-        return as_path(self.checkpoint_root)
+        return run_checkpoint_dir(self.run_dir, self.checkpoint_root)
 
 
 @dataclass

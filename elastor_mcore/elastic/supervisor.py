@@ -111,9 +111,13 @@ class SupervisorConfig:
 
     @property
     def checkpoint_dir(self) -> Path | ObjectPath:
-        if self.checkpoint_root is None:
-            return self.run_dir / "checkpoints"
-        return as_path(self.checkpoint_root)
+        return run_checkpoint_dir(self.run_dir, self.checkpoint_root)
+
+
+def run_checkpoint_dir(run_dir: Path, root: str | None) -> Path | ObjectPath:
+    """Where a run's checkpoints go: ``root`` (a directory or an ``s3://`` URL) if given,
+    else ``<run_dir>/checkpoints``."""
+    return run_dir / "checkpoints" if root is None else as_path(root)
 
 
 @dataclass
