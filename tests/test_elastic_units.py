@@ -9,7 +9,7 @@ from elastor_mcore import cli
 from elastor_mcore.config.failure_plan import (Failure, FailurePlanError, parse_failure_plan,
                                             validate)
 from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
-from elastor_mcore.elastic.probe import probe_cuda
+from elastor_mcore.runtime.device_probe import probe_cuda
 from elastor_mcore.elastic.supervisor import torchrun_layout
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from elastor_mcore.parallel.layout import layout_from_dict

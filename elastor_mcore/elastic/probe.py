@@ -11,10 +11,6 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from elastor_mcore.runtime.device_probe import CUDA_PROBE, probe_cuda
-
-__all__ = ["CUDA_PROBE", "alive_slots", "probe_cuda"]
-
 
 def alive_slots(slots: Sequence[int], dead: Iterable[int]) -> list[int]:
     """The slots not known dead."""

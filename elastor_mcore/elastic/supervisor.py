@@ -49,6 +49,7 @@ from elastor_mcore.elastic import probe, profiling
 from elastor_mcore.elastic.report import launch_step_s
 from elastor_mcore.config.failure_plan import Failure, validate
 from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
+from elastor_mcore.runtime.device_probe import probe_cuda
 from elastor_mcore.runtime.rank_hooks import HEARTBEAT_DIR
 from elastor_mcore.elastic.timeline import LaunchRecord, write_json
 from elastor_mcore.elastic.torchrun import forwarding_stop_signals, start_torchrun
@@ -378,5 +379,5 @@ class Supervisor:
         self.dead.update(e["slot"] for e in failed.failures())
         candidates = probe.alive_slots(alive, self.dead)
         if self.config.devices == "cuda":
-            return probe.probe_cuda(candidates, self.config.probe_timeout_s)
+            return probe_cuda(candidates, self.config.probe_timeout_s)
         return candidates
