@@ -30,11 +30,15 @@ parameter; with ZeRO-1 each rank steps ``1 / pipelines`` of its stage's paramete
 CPU slots share cores, so a step also takes at least its CPU work over what its busy
 slots achieve together: every stage's CPU time per micro-batch (its TP group's,
 measured: ranks waiting in a collective or idle in the 1F1B bubble leave their core to
-others) x its micro-batches, every slot's gradient all-reduce and optimizer step. With
-``d = CPU work / critical path`` slots busy on average, which together compute
+others) x its micro-batches, every slot's gradient all-reduce and optimizer step. That
+work is done while the pipelines run in their steady phase: in the 1F1B fill and drain
+(``(stages - 1) x slowest stage``, of the deepest such pipeline) stages wait for each
+other's hand-offs, and the steady phase's work cannot move there. With ``d = CPU work /
+(critical path - fill and drain)`` slots busy at once, which together compute
 ``cores_worth(d)`` slots' worth (measured with 1, 2, .. slots busy at once), the step
 time is the critical path x ``contention = max(1, d / cores_worth(d))`` (1 on GPUs,
-which compute on their own).
+which compute on their own): the stages of a pipeline are a chain, so a stage slowed by
+sharing its core slows the whole chain, fill and drain included.
 
 P2P and gradient traffic use intra-node links when every used GPU sits on one node,
 inter-node links otherwise: the cost of a layout then depends only on each stage's TP
@@ -57,6 +61,7 @@ in-flight micro-batch, plus one chunk's activations while it is recomputed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -110,6 +115,12 @@ class StageCost:
 def pipeline_time_s(micro_batches: int, num_stages: int, bottleneck_s: float) -> float:
     """1F1B: fill and drain cost ``stages - 1`` slots of the slowest stage."""
     return (micro_batches + num_stages - 1) * bottleneck_s
+
+
+def pipelines_fill_s(pipelines: Iterable[tuple[int, float]]) -> float:
+    """The longest 1F1B fill and drain, ``(stages - 1) x slowest stage``, of
+    ``[(stages, slowest stage s), ...]``."""
+    return max(((n - 1) * b for n, b in pipelines), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -228,13 +239,17 @@ class CostModel:
     def layer_tp_comm_s(self, tp: int) -> float:
         return self._collective_s(tp, self._message_bytes, TP_COLLECTIVES_PER_LAYER)
 
-    def contention(self, critical_s: float, cpu_s: float) -> float:
+    def contention(self, critical_s: float, cpu_s: float, fill_s: float = 0.0) -> float:
         """How much longer than ``critical_s`` a step takes whose slots need ``cpu_s`` of
-        CPU on the profile's shared cores (1 on GPUs): ``d = cpu_s / critical_s`` slots
-        are busy on average, and together they achieve ``cores_worth(d)``."""
-        if critical_s <= 0 or cpu_s <= 0:
+        CPU on the profile's shared cores (1 on GPUs): ``d = cpu_s / (critical_s -
+        fill_s)`` slots are busy at once, and together they achieve ``cores_worth(d)``.
+        ``fill_s`` is the 1F1B fill and drain (``pipelines_fill_s``): there the stages
+        wait for each other's hand-offs, so the steady phase's work cannot spread into
+        it, and the whole chain runs at the steady phase's contention."""
+        span = critical_s - fill_s
+        if span <= 0 or cpu_s <= 0:
             return 1.0
-        busy = cpu_s / critical_s
+        busy = cpu_s / span
         worth = self.hardware.cores_worth(busy)
         return 1.0 if worth is None else max(1.0, busy / worth)
 
@@ -507,5 +522,6 @@ class CostModel:
         grad = self.grad_sync_s(len(pipelines), min_gpus, intra_node)
         optimizer, cpu = self.pipelines_work(pipelines, grad)
         critical = max(p.time_s for p in costs) + grad + optimizer
+        fill = pipelines_fill_s((len(p.stages), p.bottleneck_s) for p in costs)
         return StepCost(pipelines=costs, grad_sync_s=grad, optimizer_s=optimizer,
-                        contention=self.contention(critical, cpu))
+                        contention=self.contention(critical, cpu, fill))

@@ -57,7 +57,7 @@ from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from elastor_mcore.planner.cost_model import CostModel, pipeline_time_s
+from elastor_mcore.planner.cost_model import CostModel, pipeline_time_s, pipelines_fill_s
 
 log = logging.getLogger(__name__)
 
@@ -336,7 +336,10 @@ class PoolSearch:
         return Candidate(pipelines=pipelines, intra_node=self.book.intra_node,
                          pipeline_s=pipeline_s, grad_sync_s=grad, partitions=partitions,
                          optimizer_s=optimizer,
-                         contention=self.cost.contention(pipeline_s + grad + optimizer, cpu))
+                         contention=self.cost.contention(
+                             pipeline_s + grad + optimizer, cpu,
+                             pipelines_fill_s((s.num_stages, s.bottleneck_s)
+                                              for s, _ in pipelines)))
 
     def _enumerate(self, pool: dict[int, int], fixed: list[tuple[PipelineShape, int]],
                    max_stages: int, partitions: tuple[tuple[int, tuple[int, ...]], ...],
