@@ -7,6 +7,7 @@ measured step times is ``tools/check_planner.py``'s job (timings depend on the l
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -21,7 +22,8 @@ from elastor_mcore.elastic.profiling import (CACHED_NAME, UnstableProfile, check
                                              choose_profile)
 from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.planner import CostModel, layout_cost, load_hardware, plan
-from elastor_mcore.planner.calibration import fit_stage_table, handoff_latency_us, robust
+from elastor_mcore.planner.calibration import (fit_stage_table, handoff_latency_us,
+                                               median_interval, robust)
 from elastor_mcore.planner.hardware import (HardwareError, RecipeMeasurements, StageTable,
                                             hardware_from_dict, recipe_shape)
 from tests.conftest import REPO, TINY
@@ -158,7 +160,9 @@ def test_cpu_work_and_optimizer_step_are_charged_as_measured():
                 + 6 * (0.5 + 8 * 2.0 + 1.0 + 3.0)) / 1e3 \
             + 2 * opt[(2, 5, 0, 2)] + opt[(1, 3, 1, 2)] + opt[(1, 8, 0, 1)] + 4 * grad
         assert step.optimizer_s == pytest.approx(max(opt.values()), rel=1e-12)
-        assert step.step_s == pytest.approx(max(critical, work / 1.5), rel=1e-12)
+        span = critical - max(first, last)  # less P0's fill and drain
+        assert step.step_s == pytest.approx(critical * max(1.0, work / span / 1.5),
+                                            rel=1e-12)
         assert step.contention > 1  # 1.5 cores: the CPU work bounds this step
 
 
@@ -207,9 +211,21 @@ def test_tables_of_another_shape_fall_back_to_the_analytic_model(caplog):
     assert cost.layer_time_s(1) == CostModel(other, load_hardware(CPU_SLOTS)).layer_time_s(1)
 
 
-def test_robust_statistic_is_the_median_and_the_interquartile_spread():
+def test_robust_statistic_is_the_median_and_its_confidence_interval():
+    """The spread is the width of the median's distribution-free 90 % interval over the
+    median: order statistics j..k with ``1 - 2 P(Bin(n, 1/2) <= j) >= 0.9``, so it
+    narrows as repetitions are added, where the interquartile range of single
+    repetitions would not."""
+    for n in (5, 10, 20, 30, 40):
+        j, k = median_interval(n)
+        covered = 1 - 2 * sum(math.comb(n, i) for i in range(j + 1)) / 2**n
+        wider = 1 - 2 * sum(math.comb(n, i) for i in range(j + 2)) / 2**n
+        assert k == n - 1 - j and covered >= 0.9 > wider, n
+    assert median_interval(10) == (1, 8) and median_interval(30) == (10, 19)
     median, spread = robust([10.0, 11.0, 12.0, 13.0, 40.0])
-    assert median == 12.0 and spread == pytest.approx((13.0 - 11.0) / 12.0)
+    assert median == 12.0 and spread == pytest.approx((40.0 - 10.0) / 12.0)  # n=5: min..max
+    scattered = [100.0 + (37 * i % 41) for i in range(40)]  # same scatter, more repetitions
+    assert robust(scattered)[1] < robust(scattered[:10])[1] / 2
     assert robust([5.0]) == (5.0, 0.0)
 
 

@@ -22,9 +22,9 @@ layout alike. Per layout: the planner's predicted step time under ``--hardware``
 round left out). Reported: each error, the median absolute error, the
 Spearman rank correlation between predicted and measured order, whether the fastest
 layout is the same, and the 1-minute load average before and after; all of it against
-the median step and against the fastest step (the profile's figures are each
-operation's fastest repetition: what a machine without other jobs gives). The figures
-go to ``--out`` (JSON).
+the median step (what the profile's medians stand for) and against the fastest step.
+Per layout the JSON also carries the cost model's terms: critical path, the 1F1B fill
+and drain, CPU work and contention. The figures go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ sys.path.insert(0, str(ROOT))
 
 from elastor_mcore.config.recipe import load_recipe  # noqa: E402
 from elastor_mcore.parallel.layout import Layout, layout_from_dict, load_layout  # noqa: E402
-from elastor_mcore.planner import load_hardware, plan, predicted_step_s  # noqa: E402
-from elastor_mcore.planner.calibration import DEFAULT_MAX_SPREAD  # noqa: E402
+from elastor_mcore.planner import layout_cost, load_hardware, plan, predicted_step_s  # noqa: E402
+from elastor_mcore.planner.calibration import DEFAULT_MAX_SPREAD, DEFAULT_REPEATS  # noqa: E402
+from elastor_mcore.planner.cost_model import CostModel, pipelines_fill_s  # noqa: E402
 
 TINY = ROOT / "recipes" / "tiny-llama.yaml"
 WORLD = 4
@@ -59,6 +60,8 @@ LAYOUTS: dict[str, object] = {
     "dp4-tp1-pp1": "dp4-tp1-pp1",
     "dp1-tp2-pp1": "dp1-tp2-pp1",
     "dp1-tp1-pp2": "dp1-tp1-pp2",
+    "pp3 3|3|2": {"pipelines": [
+        {"micro_batches": 16, "stages": stages((1, 3, [0]), (1, 3, [1]), (1, 2, [2]))}]},
     "dp2-tp2-pp1": "dp2-tp2-pp1",
     "hetero tp2|tp1 + tp1": {"pipelines": [
         {"micro_batches": 10, "stages": stages((2, 5, [0, 1]), (1, 3, [2]))},
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "cpu-slots-measured.yaml"))
     parser.add_argument("--measure", action="store_true",
                         help="measure the profile first with elastor profile (same load)")
-    parser.add_argument("--repeats", type=int, default=10,
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                         help="elastor profile's repetitions with --measure")
     parser.add_argument("--max-spread", type=float, default=DEFAULT_MAX_SPREAD,
                         help="elastor profile's bound on its repetitions' spread (--measure)")
@@ -223,6 +226,21 @@ def summary(runs: list[dict | None]) -> None:
           f"{sorted({r['median']['best_predicted'] for r in done})}")
 
 
+def model_terms(recipe, hardware, layout: Layout) -> dict[str, float]:
+    """The cost model's terms of ``layout`` (seconds per step): what a prediction is
+    made of, to see which term a wrong one got wrong."""
+    cost = CostModel(recipe, hardware)
+    step = layout_cost(cost, layout, hardware.gpus_per_node)
+    pipelines = [(p.micro_batches, [(s.tp, s.layers) for s in p.stages])
+                 for p in layout.pipelines]
+    return {"critical_s": max(p.time_s for p in step.pipelines) + step.grad_sync_s
+            + step.optimizer_s,
+            "fill_s": pipelines_fill_s((len(p.stages), p.bottleneck_s) for p in step.pipelines),
+            "grad_sync_s": step.grad_sync_s, "optimizer_s": step.optimizer_s,
+            "cpu_work_s": cost.pipelines_work(pipelines, step.grad_sync_s)[1],
+            "contention": step.contention}
+
+
 def check(args: argparse.Namespace, out: Path, hardware_path: str) -> dict | None:
     """One check (after measuring its profile with ``--measure``): its figures, also
     written to ``out``; ``{"refused": why, ...}`` if the profile was refused, None if
@@ -244,6 +262,7 @@ def check(args: argparse.Namespace, out: Path, hardware_path: str) -> dict | Non
     layouts = build_layouts(recipe, hardware)
     predicted = {name: predicted_step_s(recipe, hardware, layout)
                  for name, layout in layouts.items()}
+    terms = {name: model_terms(recipe, hardware, layout) for name, layout in layouts.items()}
     load_before = os.getloadavg()[0]
     print(f"check_planner: {len(layouts)} layouts x {args.rounds} rounds x {args.steps} steps "
           f"in a {WORLD}-rank world, profile {hardware_path}, load average "
@@ -266,7 +285,7 @@ def check(args: argparse.Namespace, out: Path, hardware_path: str) -> dict | Non
                "rounds": args.rounds, "steps": args.steps,
                "layouts": [{"layout": n, "describe": layouts[n].describe(),
                             "slots": layouts[n].num_gpus, "predicted_s": predicted[n],
-                            "steps_timed": len(times[n])} for n in names],
+                            "steps_timed": len(times[n]), **terms[n]} for n in names],
                "load_average_1min": [load_before, load_after], "cpus": os.cpu_count()}
     for statistic, reduce in (("median", statistics.median), ("fastest", min)):
         measured = {n: reduce(times[n]) for n in names}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.planner import HardwareError, load_hardware, write_hardware
-from elastor_mcore.planner.calibration import DEFAULT_MAX_SPREAD
+from elastor_mcore.planner.calibration import DEFAULT_MAX_SPREAD, DEFAULT_REPEATS
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_BASE = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
@@ -37,13 +37,14 @@ def register(subparsers) -> None:
     parser.add_argument("--tp-sizes", default=None,
                         help="comma-separated TP degrees to measure (default: all the model "
                              "allows within a node); the world is twice the largest")
-    parser.add_argument("--repeats", type=int, default=10,
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
                         help="timed repetitions per measurement, interleaved with the others "
-                             "of its kind; the median is kept (default 10)")
+                             "of its kind; the median is kept (default "
+                             f"{DEFAULT_REPEATS})")
     parser.add_argument("--max-spread", type=float, default=DEFAULT_MAX_SPREAD,
-                        help="refuse figures whose repetitions' interquartile range exceeds "
-                             "this fraction of their median after 3 attempts (default "
-                             f"{DEFAULT_MAX_SPREAD})")
+                        help="refuse figures whose median's 90%% confidence interval is "
+                             "wider than this fraction of the median after 3 attempts "
+                             f"(default {DEFAULT_MAX_SPREAD})")
     parser.add_argument("--devices", choices=("auto", "cpu", "cuda"), default="auto",
                         help="measure CPU slots or CUDA devices (default: cuda if available)")
     parser.set_defaults(func=run)

@@ -60,8 +60,8 @@ def measure(recipe_path: str, recipe: Recipe, base: HardwareProfile, tp_sizes: S
             max_spread: float = DEFAULT_MAX_SPREAD) -> HardwareProfile:
     """Run the measurement world and return ``base`` with the measured tables and links.
     ``on_line`` gets the world's progress lines. Raises ``UnstableProfile`` when a
-    figure's repetitions still disagree by more than ``max_spread`` (interquartile
-    range over median)."""
+    figure's repetitions still pin its median down no better than ``max_spread`` (the
+    width of its 90 % confidence interval over the median)."""
     world = max(2, 2 * max(tp_sizes))
     with tempfile.TemporaryDirectory(prefix="elastor-profile-") as tmp:
         raw_path = Path(tmp) / "raw.json"
@@ -94,8 +94,8 @@ def check_stable(raw: dict, max_spread: float) -> None:
     bad = unstable(raw, max_spread)
     if bad:
         raise UnstableProfile(
-            f"repetitions disagree by more than {max_spread:.0%} (interquartile range over "
-            f"median) in: {'; '.join(bad)}. The machine's load changed while measuring "
+            f"repetitions disagree by more than {max_spread:.0%} (the median's 90 % "
+            f"confidence interval over the median) in: {'; '.join(bad)}. The machine's load changed while measuring "
             f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs); measure "
             f"again when it is quieter, with more --repeats, or accept a larger "
             f"--max-spread")

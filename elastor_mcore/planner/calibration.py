@@ -11,8 +11,8 @@ and when the figures were taken):
   ``embedding = single - last``, ``output = single - first``,
   ``stage = first + last - single`` (intercepts; negative noise is clamped to 0).
 * **Repetitions.** Every figure is the median of interleaved repetitions (of the TP
-  group's slowest rank), with its spread: the interquartile range over the median
-  (``robust``). ``unstable`` names the figures whose spread exceeds a bound, which
+  group's slowest rank), with its spread: the width of the median's distribution-free
+  90 % confidence interval (order statistics) over the median (``robust``). ``unstable`` names the figures whose spread exceeds a bound, which
   ``elastor profile`` refuses.
 * **Sharing the cores.** ``concurrency[k] = k x alone / together(k)``: a single-layer
   step on one slot alone, then on ``k`` slots at once, for every ``k`` up to the world
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import math
 import os
 import platform
 import socket
@@ -48,8 +49,13 @@ from elastor_mcore.planner.hardware import (HardwareError, HardwareProfile, Reci
                                             StageTable, recipe_shape)
 
 DEFAULT_MAX_SPREAD = 0.25
-"""``elastor profile``'s default bound on a figure's spread (interquartile range over
-median of its repetitions)."""
+"""``elastor profile``'s default bound on a figure's spread (the width of its median's
+confidence interval over the median, ``robust``)."""
+DEFAULT_REPEATS = 30
+"""``elastor profile``'s default repetitions: with 30 the median's 90 % interval runs
+from the 11th to the 20th of them (with 10, from the 2nd to the 9th)."""
+MEDIAN_CONFIDENCE = 0.9
+"""Confidence of the interval ``robust`` measures the spread with."""
 
 MIB = 2**20
 QUANTITIES = {"forward_backward_ms": ("forward_backward_ms", 1.0),
@@ -59,14 +65,31 @@ QUANTITIES = {"forward_backward_ms": ("forward_backward_ms", 1.0),
 """Table name -> (raw record field, scale)."""
 
 
+def median_interval(n: int, confidence: float = MEDIAN_CONFIDENCE) -> tuple[int, int]:
+    """0-based order statistics ``(j, k)`` of ``n`` sorted values between which the
+    median lies with at least ``confidence`` (or, for too few values, the widest pair):
+    the distribution-free interval, ``P(x_j <= median <= x_k) = 1 - 2 P(Bin(n, 1/2) <
+    j + 1)``, symmetric, narrowest that meets the confidence."""
+    tail, j = 0.5**n, 0           # P(Bin(n, 1/2) <= j)
+    while j + 1 < n - 1 - (j + 1) and 2 * (tail + math.comb(n, j + 1) * 0.5**n) \
+            <= 1 - confidence:
+        j += 1
+        tail += math.comb(n, j) * 0.5**n
+    return j, n - 1 - j
+
+
 def robust(values: list[float]) -> tuple[float, float]:
-    """(median, spread) of repetitions; spread = interquartile range / median (0 for
-    fewer than two values)."""
+    """(median, spread) of repetitions; spread = the width of the median's
+    ``MEDIAN_CONFIDENCE`` interval (``median_interval``) over the median: how well the
+    repetitions pin down the figure the profile keeps, which more repetitions narrow,
+    rather than how much single repetitions scatter, which they do not (0 for fewer than
+    two values)."""
     median = statistics.median(values)
     if len(values) < 2 or median <= 0:
         return median, 0.0
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return median, (q3 - q1) / median
+    ordered = sorted(values)
+    j, k = median_interval(len(ordered))
+    return median, (ordered[k] - ordered[j]) / median
 
 
 def unstable(raw: dict[str, Any], max_spread: float) -> list[str]:

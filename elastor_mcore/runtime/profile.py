@@ -502,8 +502,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hardware", help="profile to start from, with --profile-out")
     parser.add_argument("--profile-out", help="rank 0 also writes the hardware profile here")
     parser.add_argument("--max-spread", type=float, default=DEFAULT_MAX_SPREAD,
-                        help="measure a kind of figure again while its repetitions' "
-                             "interquartile range exceeds this fraction of the median")
+                        help="measure a kind of figure again while its median's 90%% "
+                             "confidence interval is wider than this fraction of it")
     return parser.parse_args(argv)
 
 
