@@ -98,6 +98,18 @@ def train_world(request, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def mcore_world(tmp_path_factory) -> Path:
+    """One 4-rank world for ``test_parallel_state`` (first, on fresh ``parallel_state``)
+    and ``test_checkpoint_mcore`` (``tests/workers/checkpoint_mcore.py``): each rank's
+    start-up is most of either job's cost. Their ``result.json`` files, under
+    ``parallel_state/`` and at the top."""
+    out = tmp_path_factory.mktemp("mcore-world")
+    run_world(4, "tests.workers.checkpoint_mcore",
+              ["--out", str(out), "--parallel-state-recipe", str(TINY)], timeout=300)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_recipe_path() -> Path:
     return TINY
 

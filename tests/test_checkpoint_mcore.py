@@ -1,6 +1,7 @@
 """The mcore adapter on a real GPTModel: save under mcore's TP=2 PP=2, load under
 TP=1 PP=4 (4 ranks, ``parallel_state.initialize_model_parallel``, no elastor layout).
-See ``tests/workers/checkpoint_mcore.py``.
+See ``tests/workers/checkpoint_mcore.py``; its world also runs ``test_parallel_state``'s
+checks (conftest ``mcore_world``).
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ import pytest
 
 from tests.checkpoint_checks import (
     MAX_READ_AMPLIFICATION, amplification, assert_balanced, assert_units_tile)
-from tests.conftest import run_world
 
 
 @pytest.fixture(scope="module")
-def reshard(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt_mcore")
-    run_world(4, "tests.workers.checkpoint_mcore", ["--out", str(out)], timeout=300)
-    return json.loads((out / "result.json").read_text())
+def reshard(mcore_world):
+    return json.loads((mcore_world / "result.json").read_text())
 
 
 @pytest.mark.timeout(360)

@@ -27,6 +27,7 @@ import torch
 
 from elastor_mcore import checkpoint as ck
 from elastor_mcore.checkpoint.location import ObjectPath
+from elastor_mcore.cli import main as cli_main
 from elastor_mcore.convert.torch_dist import is_torch_dist
 from tests.checkpoint_checks import MAX_READ_AMPLIFICATION, amplification
 from tests.conftest import REPO, TINY, run_world
@@ -169,20 +170,27 @@ def test_resume_on_another_layout_cleans_the_partial_step(trained):
     assert_loads(root, 5)
 
 
-@pytest.mark.timeout(1800)
-def test_inspect_and_convert_on_s3_urls(trained, tmp_path):
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``elastor ARGS`` run in this process (the CLI's own ``main``): its exit code,
+    stdout and stderr. Not for wrong credentials: a process keeps its bucket's
+    kvstore (``checkpoint.location``), so those tests start a new interpreter."""
+    capsys.readouterr()
+    code = cli_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.timeout(900)
+def test_inspect_and_convert_on_s3_urls(trained, tmp_path, capsys):
     root = str(trained["root"])
-    shown = elastor("inspect", root, timeout=120)
-    assert shown.returncode == 0, shown.stderr
-    assert f"checkpoint: {root}/step_00000005" in shown.stdout
-    assert "step: 5" in shown.stdout and "objects" in shown.stdout
+    code, shown, _ = cli(capsys, "inspect", root)
+    assert code == 0
+    assert f"checkpoint: {root}/step_00000005" in shown
+    assert "step: 5" in shown and "objects" in shown
 
     hf, from_hf = tmp_path / "hf", f"s3://{BUCKET}/from-hf"
-    to_hf = elastor("convert", root, str(hf), "--to", "hf", timeout=600)
-    assert to_hf.returncode == 0, to_hf.stdout + to_hf.stderr
-    to_zarr = elastor("convert", str(hf), from_hf, "--to", "zarr", "--recipe", str(TINY),
-                      timeout=600)
-    assert to_zarr.returncode == 0, to_zarr.stdout + to_zarr.stderr
+    assert cli(capsys, "convert", root, str(hf), "--to", "hf")[0] == 0
+    assert cli(capsys, "convert", str(hf), from_hf, "--to", "zarr", "--recipe", str(TINY))[0] == 0
     original, converted = ck.open(root), ck.open(from_hf)
     weights = [i.name for i in original.tensors() if not i.name.startswith("optimizer.")]
     assert sorted(weights) == sorted(i.name for i in converted.tensors())
@@ -197,20 +205,17 @@ def test_inspect_and_convert_on_s3_urls(trained, tmp_path):
     # zarr on S3 -> a local torch_dist directory (Megatron-LM's stacked layer keys) ->
     # zarr on S3 again: every tensor comes back bit for bit.
     td, again_url = tmp_path / "td", f"s3://{BUCKET}/from-torch-dist"
-    to_td = elastor("convert", from_hf, str(td), "--to", "torch_dist", timeout=600)
-    assert to_td.returncode == 0, to_td.stdout + to_td.stderr
+    assert cli(capsys, "convert", from_hf, str(td), "--to", "torch_dist")[0] == 0
     assert is_torch_dist(td)
-    from_td = elastor("convert", str(td), again_url, "--to", "zarr", "--recipe", str(TINY),
-                      timeout=600)
-    assert from_td.returncode == 0, from_td.stdout + from_td.stderr
+    assert cli(capsys, "convert", str(td), again_url, "--to", "zarr", "--recipe",
+               str(TINY))[0] == 0
     again = ck.open(again_url)
     assert again.manifest.step == converted.manifest.step
     assert sorted(i.name for i in again.tensors()) == sorted(weights)
     for name in weights:
         assert torch.equal(converted.read(name), again.read(name)), name
 
-    refused = elastor("convert", root, f"s3://{BUCKET}/td", "--to", "torch_dist",
-                      timeout=300)
-    print(f"torch_dist to S3: {refused.stderr.strip()}")
-    assert refused.returncode == 2
-    assert "--to torch_dist writes a local directory" in refused.stderr
+    code, _, refused = cli(capsys, "convert", root, f"s3://{BUCKET}/td", "--to", "torch_dist")
+    print(f"torch_dist to S3: {refused.strip()}")
+    assert code == 2
+    assert "--to torch_dist writes a local directory" in refused

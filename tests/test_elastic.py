@@ -12,15 +12,19 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from elastor_mcore import checkpoint
+from elastor_mcore.checkpoint.format import step_dir_name
 from elastor_mcore.checkpoint.location import ObjectPath
 from elastor_mcore.elastic.report import read_metrics
-from tests.conftest import REPO, TINY, run_world
+from tests.conftest import REPO, TINY
 from tests.s3_server import s3_environment
+from tests.single_process_reference import (SAVE_INTERVAL as SAVE_INTERVAL_REFERENCE,
+                                            reference_losses, reference_run)
 
 STEPS = 8
 SAVE_INTERVAL = 2
@@ -29,6 +33,9 @@ KILL = {"step": 4, "slot": 1, "kind": "kill"}
 HANG = {"step": 7, "slot": 3, "kind": "hang"}
 CPU_SLOTS = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
 S3_BUCKET = "elastor-launch"
+# The hang is detected this long after the hung rank's last beat: a beat comes after every
+# step (~0.3 s here, a synchronous save ~1 s), so 8 s of silence leaves a margin of 5x.
+HEARTBEAT_TIMEOUT_S = 8
 
 
 def last_save_before(step: int) -> int | None:
@@ -61,14 +68,12 @@ def relative(got, ref) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The same steps uninterrupted on one process, saved at the end."""
-    out = tmp_path_factory.mktemp("reference")
-    run_world(1, "elastor_mcore.runtime.worker",
-              ["--recipe", str(TINY), "--layout", "dp1-tp1-pp1", "--steps", str(STEPS),
-               "--metrics-out", str(out / "metrics.jsonl"), "--save", str(out / "ckpt"),
-               "--save-interval", str(STEPS)])
-    return out
+def reference(tmp_path_factory) -> tuple[dict[int, float], Path]:
+    """The same steps uninterrupted on one process: each step's loss, and the checkpoint
+    of step STEPS (the session's single-process run, shared with test_elastic_nodes)."""
+    assert STEPS % SAVE_INTERVAL_REFERENCE == 0
+    ckpt = reference_run(tmp_path_factory) / "ckpt" / step_dir_name(STEPS)
+    return reference_losses(tmp_path_factory, STEPS), ckpt
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +85,7 @@ def recovered(tmp_path_factory):
         ["--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--slots", "4",
          "--steps", str(STEPS), "--run-dir", str(run_dir), "--save-interval",
          str(SAVE_INTERVAL), "--no-async-save", "--failure-plan", plan,
-         "--heartbeat-timeout", "20", "--devices", "cpu"])
+         "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--devices", "cpu"])
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return run_dir, json.loads((run_dir / "timeline.json").read_text()), result.stdout
 
@@ -110,7 +115,7 @@ def test_kill_and_hang_are_each_recovered_from(recovered):
 @pytest.mark.timeout(900)
 def test_every_step_matches_the_uninterrupted_run(recovered, reference):
     run_dir, timeline, _ = recovered
-    expected = {m["step"]: m["loss"] for m in read_metrics(reference / "metrics.jsonl")}
+    expected, _ = reference
     assert sorted(expected) == list(range(1, STEPS + 1))
     for launch, ran in zip(timeline["launches"], RAN, strict=True):
         metrics = read_metrics(f"{launch['dir']}/metrics.jsonl")
@@ -123,7 +128,7 @@ def test_every_step_matches_the_uninterrupted_run(recovered, reference):
 @pytest.mark.timeout(900)
 def test_final_weights_equal_the_uninterrupted_run(recovered, reference):
     run_dir, _, _ = recovered
-    got, want = checkpoint.open(run_dir / "checkpoints"), checkpoint.open(reference / "ckpt")
+    got, want = checkpoint.open(run_dir / "checkpoints"), checkpoint.open(reference[1])
     assert got.manifest.step == want.manifest.step == STEPS
     keys = [t.name for t in want.tensors()]
     assert sorted(t.name for t in got.tensors()) == sorted(keys)
@@ -169,7 +174,7 @@ def test_relaunch_resumes_from_s3_until_too_few_survivors_give_up(tmp_path, refe
     assert [l["resumed_from"] for l in launches] == [None, 2]
     assert timeline["recoveries"][0]["slots_after"] == 2
     assert timeline["recoveries"][1]["slots_after"] is None
-    expected = {m["step"]: m["loss"] for m in read_metrics(reference / "metrics.jsonl")}
+    expected, _ = reference
     for launch, ran in zip(launches, (range(1, 3), range(3, 5)), strict=True):
         metrics = read_metrics(f"{launch['dir']}/metrics.jsonl")
         assert [m["step"] for m in metrics] == list(ran), launch["dir"]

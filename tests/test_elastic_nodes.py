@@ -27,13 +27,24 @@ import pytest
 from elastor_mcore.elastic import node_timeline
 from elastor_mcore.elastic.heartbeat import read_beats
 from elastor_mcore.elastic.report import read_metrics
-from tests.conftest import REPO, TINY, run_world
+from tests.conftest import REPO, TINY
+from tests.single_process_reference import reference_losses
 
 STEPS = 16
 TOLERANCE = 1e-5
 KILL_AGENT_AT = 2
 CPU_SLOTS = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
 DEADLINE_S = 600
+# Waits the job spends idle, as short as a loaded machine allows. A beat comes after every
+# step (~0.3 s here, a synchronous save ~1 s): 8 s of silence is a hang with a margin of 5x.
+HEARTBEAT_TIMEOUT_S = 8
+# The wait for the second node once one is in; both agents re-enter within a second or two
+# of a worker failure (gloo errors at once, the monitor polls every 0.5 s).
+LAST_CALL_S = 5
+# A SIGKILLed agent's node leaves the rendezvous after keep_alive_interval x max_attempt
+# without keep-alives (torch's default 5 s x 3); 2 s x 3 stays well above the store's
+# write latency under load.
+RDZV_CONF = f"last_call_timeout={LAST_CALL_S},keep_alive_interval=2,keep_alive_max_attempt=3"
 
 
 def free_port() -> int:
@@ -54,8 +65,8 @@ class Job:
         args = ["--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--steps", str(STEPS),
                 "--save-interval", "2", "--no-async-save", "--run-dir", str(self.run_dir),
                 "--devices", "cpu", "--nnodes", "1:2", "--rdzv-endpoint",
-                f"127.0.0.1:{self.port}", "--rdzv-id", "nodes-test", "--rdzv-conf",
-                "last_call_timeout=8", "--max-restarts", "5", "--heartbeat-timeout", "15",
+                f"127.0.0.1:{self.port}", "--rdzv-id", "nodes-test", "--rdzv-conf", RDZV_CONF,
+                "--max-restarts", "5", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
                 "--slots", str(slots), "--node-name", node]
         if health_file:
             args += ["--health-file", str(health_file)]
@@ -115,12 +126,9 @@ def kill_agent(launcher: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    run_world(1, "elastor_mcore.runtime.worker",
-              ["--recipe", str(TINY), "--layout", "dp1-tp1-pp1", "--steps", str(STEPS),
-               "--metrics-out", str(out / "metrics.jsonl")])
-    return {m["step"]: m["loss"] for m in read_metrics(out / "metrics.jsonl")}
+def reference(tmp_path_factory) -> dict[int, float]:
+    """Each step's loss uninterrupted on one process (shared with test_elastic)."""
+    return reference_losses(tmp_path_factory, STEPS)
 
 
 def worker_pid(job: Job, node: str, launch: int, slot: int) -> int:
@@ -210,7 +218,7 @@ def test_node_loss_return_hang_and_device_loss_each_get_a_round(job):
         causes
     hang, kill = on_b["recoveries"]
     assert "1]" in hang["cause"] and "killed after" in hang["cause"], hang
-    assert hang["detect_s"] >= 15 - 1, hang  # the heartbeat timeout, from the last beat
+    assert hang["detect_s"] >= HEARTBEAT_TIMEOUT_S - 1, hang  # from the last beat
     for r in (*on_a["recoveries"][-4:], hang, kill):  # a's rank is in every round
         for phase in ("rendezvous_s", "relaunch_s", "probe_s", "plan_s", "load_s",
                       "first_step_s"):

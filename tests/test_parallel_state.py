@@ -2,7 +2,8 @@
 
 ``groups.install`` sets every global the installed Megatron-Core defines (the list is
 read from the module by ``compat.mcore``), so every getter must answer, on mcore 0.16
-and 0.19 alike. One 4-rank gloo world (``tests/workers/parallel_state.py``) calls every
+and 0.19 alike. One 4-rank gloo world (``tests/workers/parallel_state.py``, in the world
+of ``test_checkpoint_mcore``: conftest ``mcore_world``) calls every
 ``get_*`` / ``is_*`` function of ``parallel_state`` with every combination of its
 boolean keyword arguments, after installing a heterogeneous TP2 | TP1 | TP1 pipeline,
 and compares against mcore's own ``initialize_model_parallel`` on two uniform layouts.
@@ -26,15 +27,12 @@ import json
 
 import pytest
 
-from tests.conftest import TINY, run_world
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parallel_state")
-    run_world(4, "tests.workers.parallel_state", ["--out", str(out), "--recipe", str(TINY)],
-              timeout=180)
-    return json.loads((out / "result.json").read_text())
+def world(mcore_world):
+    """The checks' reports, from the world shared with ``test_checkpoint_mcore``."""
+    return json.loads((mcore_world / "parallel_state" / "result.json").read_text())
 
 
 @pytest.mark.timeout(240)

@@ -3,7 +3,8 @@
 No elastor layout is involved: groups come from ``parallel_state.initialize_model_parallel``.
 Each rank also dumps its saved local shards (``torch.save``, test-only) so the loaded
 shards are checked against an independent record rather than against our reader.
-Rank 0 writes ``result.json`` into ``--out``.
+Rank 0 writes ``result.json`` into ``--out``. With ``--parallel-state-recipe`` the
+world first runs ``parallel_state``'s checks (``tests/test_parallel_state.py``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def compare(records, saved) -> tuple[int, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--parallel-state-recipe", default=None,
+                        help="first run workers/parallel_state.py's checks, into "
+                             "OUT/parallel_state (one world start for both jobs)")
     args = parser.parse_args()
     out = Path(args.out)
 
@@ -95,6 +99,10 @@ def main() -> None:
     cpu.apply_if_needed()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if args.parallel_state_recipe:
+        from tests.workers import parallel_state
+
+        parallel_state.run(out / "parallel_state", args.parallel_state_recipe)
     from elastor_mcore import checkpoint as ck
 
     ckpt = out / "iter_0000001"

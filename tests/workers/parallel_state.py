@@ -1,6 +1,6 @@
 """Worker: every ``parallel_state`` getter answers after ``groups.install``.
 
-One 4-rank gloo world, three installs:
+Three installs, in the 4-rank gloo world of ``checkpoint_mcore`` (``run``):
 
 * ``hetero``: one pipeline TP2 (ranks 0-1) | TP1 (rank 2) | TP1 (rank 3): every
   getter of the installed mcore is called (every combination of its boolean keyword
@@ -8,12 +8,11 @@ One 4-rank gloo world, three installs:
 * ``dp2-tp1-pp2`` and ``dp1-tp2-pp2``: uniform layouts, where each answer must equal
   the one mcore's own ``initialize_model_parallel`` gives (groups compared by ranks).
 
-Rank 0 writes ``result.json`` (each rank's failures) into ``--out``.
+Rank 0 writes ``result.json`` (each rank's failures) into the directory ``run`` is given.
 """
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import itertools
 import json
@@ -171,12 +170,10 @@ def check_uniform(ps, spec: str, recipe) -> list[str]:
     return bad
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--recipe", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
+def run(out: Path, recipe_path: str) -> None:
+    """The three installs' checks on this (fresh) world; rank 0 writes
+    ``out/result.json``. Run first in ``checkpoint_mcore``'s world (its rank start-up is
+    most of either job's cost), before anything initializes ``parallel_state``."""
     from megatron.core import parallel_state as ps
 
     from elastor_mcore.compat import cpu
@@ -190,16 +187,13 @@ def main() -> None:
     pg = install(groups)
     report = {"rank": dist.get_rank(), "hetero": check_hetero(ps, groups, pg),
               "calls": len(list(getter_calls(ps, 1)))}
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(recipe_path)
     for spec in ("dp2-tp1-pp2", "dp1-tp2-pp2"):
         report[spec] = check_uniform(ps, spec, recipe)
+    ps.destroy_model_parallel()
     reports = [None] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     if dist.get_rank() == 0:
-        Path(args.out, "result.json").write_text(json.dumps(
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(
             {"mcore": list(mcore_version()), "ranks": reports}, indent=1))
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

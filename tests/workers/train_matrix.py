@@ -35,6 +35,8 @@ Two measurements follow a case's training (the ZeRO-1 tests):
 
 import argparse
 import json
+import logging
+import time
 import warnings
 from pathlib import Path
 
@@ -51,6 +53,8 @@ from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.parallel.shards import sharded_tensors
 from elastor_mcore.runtime.train import optimizer_memory, resume, setup_stage, train_steps
+
+LOG = logging.getLogger("train_matrix")
 
 
 def parse_case(spec: str) -> dict:
@@ -142,9 +146,16 @@ def main() -> None:
     dist.init_process_group("gloo")
     cache = GroupCache()
     out = Path(args.out)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     for spec in args.case:
         case = parse_case(spec)
+        started, cpu_started = time.perf_counter(), time.process_time()
         runner = run_case(case, args.recipe, cache, out)
+        cpu_seconds = torch.tensor([time.process_time() - cpu_started], dtype=torch.float64)
+        dist.all_reduce(cpu_seconds)  # also waits for the case's slowest rank
+        if dist.get_rank() == 0:  # what each case costs, for trimming the world
+            LOG.info("case %s: %.2f s wall, %.2f CPU-s of all ranks", case["name"],
+                     time.perf_counter() - started, cpu_seconds.item())
         if runner is not None and case["name"] in args.memory:
             measure_memory(runner, out / case["name"])
         if runner is not None and case["name"] in args.native_check:
