@@ -36,7 +36,7 @@ RUN_ENV = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
 def tiny_model_args(recipe_path: Path = TINY) -> list[str]:
     """Megatron-LM flags for the recipe's model and optimizer: Llama-style (RMSNorm,
     SwiGLU, RoPE, GQA, no biases, untied embeddings), the local transformer (no TE,
-    no fused CUDA kernels), constant lr, no dropout."""
+    no fused kernels: none is compiled on a CPU rank), constant lr, no dropout."""
     recipe = load_recipe(recipe_path)
     m, t = recipe.model, recipe.training
     o = t.optimizer
@@ -53,7 +53,7 @@ def tiny_model_args(recipe_path: Path = TINY) -> list[str]:
         "--attention-dropout", "0", "--hidden-dropout", "0",
         "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
         "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion", "--no-rope-fusion",
-        "--no-persist-layer-norm",
+        "--no-persist-layer-norm", "--no-bias-dropout-fusion",
         "--micro-batch-size", str(t.micro_batch_size), "--seed", str(t.seed),
         "--lr", str(o.lr), "--min-lr", str(o.lr), "--lr-decay-style", "constant",
         "--weight-decay", str(o.weight_decay), "--adam-beta1", str(o.adam_beta1),

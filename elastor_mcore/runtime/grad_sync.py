@@ -116,6 +116,36 @@ class Refinement:
                    local)
 
 
+@torch.no_grad()
+def broadcast_replicas(layout: Layout, model: torch.nn.Module | None, cache: GroupCache,
+                       world_group=None) -> int:
+    """Give every element of every parameter held in several pipelines the value of its
+    lowest-ranked holder (collective over the world; ``model`` None on idle ranks).
+
+    Pipelines of different shapes initialise a layer at different positions of their
+    random streams (Megatron seeds by pipeline rank and draws layer by layer), so their
+    replicas of one layer start out different; the gradient sums keep replicas equal
+    only if they start equal. Returns the elements this rank received."""
+    rank = dist.get_rank()
+    refinement = Refinement.build(layout, model, world_group)
+    received = 0
+    for holders, cells in reduction_plan(refinement.cells, refinement.pipeline_of).items():
+        group = cache.get(holders)
+        if model is None or rank not in holders:
+            continue
+        views = [refinement.local[c.key].view(refinement.local[c.key].param.data, c.box)
+                 for c in cells]
+        flat = torch.cat([v.reshape(-1) for v in views])
+        dist.broadcast(flat, src=holders[0], group=group)
+        offset = 0
+        for view in views:
+            view.copy_(flat[offset:offset + view.numel()].view_as(view))
+            offset += view.numel()
+        if rank != holders[0]:
+            received += flat.numel()
+    return received
+
+
 class GradientSynchronizer:
     """Built once per layout on every world rank (group creation is collective)."""
 

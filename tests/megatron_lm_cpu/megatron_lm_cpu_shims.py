@@ -159,6 +159,11 @@ def _initialize(module) -> None:
     module._initialize_distributed = _within(_one_fake_cuda_device,
                                              module._initialize_distributed)
     module._set_random_seed = _within(_one_fake_cuda_device, module._set_random_seed)
+    # initialize.py:463 (0.16.1; :497 at 0.19.0) `_warmup_jit_function` runs the fused
+    # bias-GeLU/SwiGLU and bias-dropout-add kernels on device="cuda" tensors to compile
+    # them ahead of training: on CPU that is an inductor compile on every rank (~2 CPU-s)
+    # of kernels the tests' `--no-*-fusion` flags never call.
+    module._warmup_jit_function = lambda *args, **kwargs: None
 
 
 @after_import("megatron.training.training")
@@ -205,3 +210,53 @@ def _training_utils(module) -> None:
     # CUDA_DEVICE_MAX_CONNECTIONS=1) apply.
     module.get_device_arch_version = lambda: 9
 
+
+
+@after_import("megatron.core.optimizer.distrib_optimizer")
+def _distributed_optimizer(module) -> None:
+    # Without Apex or Transformer Engine (never on CPU) mcore keeps Adam's step in torch's
+    # per-parameter state, which two places of the distributed optimizer's load do not
+    # expect. (1) state_dict (mcore 0.16.1 distrib_optimizer.py:640, 0.19.2 :838) asserts
+    # there is exactly one step; before the first step, when load_checkpoint asks it for
+    # the template to load into, there is none: a fresh optimizer gets step 0 while the
+    # template is built (load_state_dict then sets the saved step). (2) The fully
+    # reshardable load (:940 / :1136) copies every per-parameter state entry from the
+    # checkpoint's tensors, which hold no step: the step load_state_dict set is kept,
+    # as each parameter's own tensor (load_state_dict gives all parameters one shared
+    # tensor, which torch's AdamW then increments once per parameter, every step).
+    import torch
+
+    original = module.DistributedOptimizer.state_dict
+
+    @functools.wraps(original)
+    def state_dict(self):
+        inner = self.optimizer
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if module.HAVE_APEX_OR_TE or any("step" in inner.state[p] for p in params):
+            return original(self)
+        for p in params:
+            inner.state[p]["step"] = torch.tensor(0.0)
+        try:
+            return original(self)
+        finally:
+            for p in params:
+                del inner.state[p]["step"]
+                if not inner.state[p]:
+                    del inner.state[p]
+
+    module.DistributedOptimizer.state_dict = state_dict
+
+    original_set = module.DistributedOptimizer._set_main_param_and_optimizer_states
+
+    @functools.wraps(original_set)
+    def set_states(self, model_param, tensors):
+        if not module.HAVE_APEX_OR_TE and "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            state = self.optimizer.state[main_param]
+            if "step" in state:
+                state["step"] = state["step"].clone()
+                tensors = {**tensors, "step": state["step"]}
+        return original_set(self, model_param, tensors)
+
+    module.DistributedOptimizer._set_main_param_and_optimizer_states = set_states

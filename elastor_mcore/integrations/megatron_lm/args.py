@@ -109,6 +109,13 @@ def _provisional_global_batch(args: argparse.Namespace, world_size: int) -> int:
     return args.micro_batch_size * pipelines
 
 
+def is_heterogeneous(args: argparse.Namespace) -> bool:
+    """Whether ``--elastor-layout`` names a layout Megatron-LM's own loop cannot train
+    (its TP and PP arguments are then placeholders until ``adapt_args``)."""
+    spec = getattr(args, "elastor_layout", None)
+    return bool(spec) and not load_layout(spec, recipe_from_args(args, 1)).is_uniform
+
+
 def apply_layout_args(args: argparse.Namespace, explicit: dict[str, str],
                       world_size: int) -> Layout:
     """Set TP, PP and the global batch of ``args`` from ``--elastor-layout`` (before
@@ -280,11 +287,11 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None) -> None:
     stage_layers = [s.layers for s in pipeline.stages]
     set_tensor_parallel_args(args, pipeline.stages[groups.position.stage].tp)
     args.pipeline_model_parallel_size = len(stage_layers)
-    if args.data_parallel_size != len(layout.pipelines):
+    if args.data_parallel_size != len(groups.dp_ranks):  # the rank's exact replicas
         from megatron.core.num_microbatches_calculator import (
             reconfigure_num_microbatches_calculator)
 
-        args.data_parallel_size = len(layout.pipelines)
+        args.data_parallel_size = len(groups.dp_ranks)
         reconfigure_num_microbatches_calculator(
             args.rank, args.rampup_batch_size, args.global_batch_size,
             args.micro_batch_size, args.data_parallel_size,

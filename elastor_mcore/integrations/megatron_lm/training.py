@@ -34,16 +34,26 @@ logging, checkpoints) as it is:
   in proportion to the micro-batch counts), starting at the consumed samples.
 * **Bookkeeping.** Megatron counts a step's samples as data-parallel size x micro-batch
   size x ``get_num_microbatches()``. Its data-parallel group is the rank's exact
-  replicas, so ``train`` first sets ``args.data_parallel_size`` to that group's size
-  and the micro-batch calculator to the matching count: consumed samples and the lr
+  replicas, so ``args.adapt_args`` sets ``args.data_parallel_size`` to that group's
+  size and the micro-batch calculator to the matching count: consumed samples and the lr
   schedule then advance by the global batch on every rank.
 * **Model config.** At core_r0.19.0 ``pretrain_gpt.py`` builds the model config before
   the parallel state exists; under any layout it is rebuilt from this rank's adapted
   arguments before the model is (``_wrap_setup_model``).
 
+* **Initial weights.** Megatron seeds each pipeline stage's initialisation by its
+  pipeline rank, so pipelines of different shapes start with different values of the
+  layers they share; once the model is built, every replica takes its lowest-ranked
+  holder's values (``grad_sync.broadcast_replicas``), as the optimizer is built.
+* **Distributed optimizer.** ``--use-distributed-optimizer`` runs Megatron's own
+  distributed optimizer unchanged: it shards the state over the rank's data-parallel
+  group (its exact replicas), takes its shard of the summed ``main_grad`` and
+  all-gathers the updated parameters there. Its checkpoints must be saved fully
+  reshardable (``optimizer.state.param.*`` etc. in model space, any layout).
+
 Evaluation runs the same forward steps without backward (``forward_only``).
-Everything else (what Megatron-LM's loop cannot do under such a layout, like the
-distributed optimizer) is refused before training by ``unsupported_reason``.
+Everything else (what Megatron-LM's loop cannot do under such a layout) is refused
+before training by ``unsupported_reason``.
 """
 
 from __future__ import annotations
@@ -59,7 +69,7 @@ import torch.distributed as dist
 from elastor_mcore.data.samples import pipeline_sample_indices
 from elastor_mcore.parallel.groups import GroupCache, RankGroups
 from elastor_mcore.parallel.layout import Layout
-from elastor_mcore.runtime.grad_sync import GradientSynchronizer
+from elastor_mcore.runtime.grad_sync import GradientSynchronizer, broadcast_replicas
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.runtime.schedule import run_1f1b
 
@@ -72,11 +82,12 @@ Patch = Callable[[Any, str, Callable[[Any], Any]], None]
 def unsupported_reason(layout: Layout, args) -> str | None:
     """Why Megatron-LM's loop cannot train the heterogeneous ``layout`` with ``args``
     (None: it can). Checked before any rank starts training."""
-    if getattr(args, "use_distributed_optimizer", False):
-        return ("--use-distributed-optimizer on a heterogeneous layout: Megatron's "
-                "distributed optimizer is not run under Elastor's schedule (its checkpoints "
-                "do not interchange with the plain optimizer's); drop the flag (`elastor "
-                "train` shards the optimizer over each stage's replicas)")
+    if getattr(args, "use_distributed_optimizer", False) and not getattr(
+            args, "dist_ckpt_optim_fully_reshardable", False):
+        return ("--use-distributed-optimizer on a heterogeneous layout needs "
+                "--dist-ckpt-optim-fully-reshardable: Megatron's other formats key the "
+                "optimizer state by gradient bucket, whose shapes differ between stages, so "
+                "no checkpoint could be saved; add --dist-ckpt-optim-fully-reshardable")
     if getattr(args, "fp16", False):
         return ("--fp16 on a heterogeneous layout: the loss-scaler's inf check would "
                 "only cover one pipeline; use --bf16")
@@ -149,11 +160,14 @@ def install(patch: Patch, groups: Callable[[], RankGroups | None],
     gradient norm. The patches act only while ``layout()`` is heterogeneous;
     ``groups()`` is this rank's installed groups."""
     from megatron.core.optimizer import optimizer as mcore_optimizer
-    from megatron.training import training
+    from megatron.training import arguments, initialize, training
 
     global _state
     _state = _State(groups, layout)
     patch(training, "setup_model_and_optimizer", _wrap_setup_model)
+    patch(training, "get_megatron_optimizer", _wrap_get_optimizer)
+    patch(arguments, "validate_args", _wrap_validate)    # core_r0.19.0's call site
+    patch(initialize, "validate_args", _wrap_validate)   # core_v0.16.1's
     patch(training, "train", _wrap_train)
     patch(training, "get_forward_backward_func", _wrap_schedule_getter)
     patch(training, "build_pretraining_data_loader", _wrap_data_loader)
@@ -205,6 +219,50 @@ def _wrap_setup_model(original):
     return setup_model_and_optimizer
 
 
+def _wrap_validate(original):
+    """Megatron-LM validates a heterogeneous layout's placeholder sizes (TP 1, PP 1)
+    before the parallel state exists, and derives from them a data-parallel size of the
+    whole world, which its batch checks and micro-batch calculator require the global
+    batch to divide (16 on 5 ranks does not). It validates them as one rank instead
+    (data-parallel size 1); ``adapt_args`` sets every rank's own sizes and micro-batch
+    count once its stage is known."""
+    def validate_args(args, *rest, **kwargs):
+        from elastor_mcore.integrations.megatron_lm.args import is_heterogeneous
+
+        if not is_heterogeneous(args):
+            return original(args, *rest, **kwargs)
+        log.info("heterogeneous --elastor-layout: Megatron-LM validates its placeholder "
+                 "sizes as one rank; each rank's TP, PP and data-parallel size follow "
+                 "from its stage")
+        world_size, args.world_size = args.world_size, 1
+        try:
+            return original(args, *rest, **kwargs)
+        finally:
+            args.world_size = world_size
+    return validate_args
+
+
+def _wrap_get_optimizer(original):
+    """The model's replicas in other pipelines made equal (``broadcast_replicas``) just
+    before the optimizer copies the weights (both releases build the model, through
+    ``get_model`` or a model builder, then call this with it): a fresh start would
+    otherwise train pipelines that disagree on every layer they share. A checkpoint
+    loaded afterwards overwrites all."""
+    def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
+        if _active():
+            from megatron.core.utils import get_attr_wrapped_model
+
+            chunk = _single_chunk(model_chunks)
+            received = broadcast_replicas(
+                _state.groups().layout,
+                get_attr_wrapped_model(chunk, "sharded_state_dict", return_model_obj=True),
+                GroupCache())
+            log.info("rank %d: %d parameter elements set from their replicas in other "
+                     "pipelines", dist.get_rank(), received)
+        return original(config, model_chunks, *args, **kwargs)
+    return get_megatron_optimizer
+
+
 def _model_config_from_args(built):
     """``built``'s class of model config from this rank's adapted arguments."""
     from megatron.training import get_args
@@ -221,7 +279,6 @@ def _wrap_train(original):
     def train(forward_step_func, model, optimizer, *args, **kwargs):
         if _active():
             _check_optimizer(optimizer)
-            _count_samples_per_replica(_state.groups())
         return original(forward_step_func, model, optimizer, *args, **kwargs)
     return train
 
@@ -233,20 +290,6 @@ def _check_optimizer(optimizer) -> None:
             f"Megatron built {len(chained)} optimizers; on a heterogeneous layout the "
             f"global gradient norm is given to one optimizer only (a dense model without "
             f"separate optimizer groups)")
-
-
-def _count_samples_per_replica(groups: RankGroups) -> None:
-    """``args.data_parallel_size`` and the micro-batch calculator for this rank's
-    replica group, so that Megatron's sample counts add up to the global batch."""
-    from megatron.core.num_microbatches_calculator import (
-        reconfigure_num_microbatches_calculator)
-    from megatron.training import get_args
-
-    args = get_args()
-    args.data_parallel_size = len(groups.dp_ranks)
-    reconfigure_num_microbatches_calculator(
-        args.rank, None, args.global_batch_size, args.micro_batch_size,
-        args.data_parallel_size, False)
 
 
 def _wrap_schedule_getter(original):
