@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -190,6 +190,8 @@ class _State:
     groups: Callable[[], RankGroups | None]
     layout: Callable[[], Layout | None]
     stage: _Stage | None = None
+    cache: GroupCache = field(default_factory=GroupCache)
+    """The groups of the start-up weight broadcast and of every step (created once)."""
 
     def active(self) -> bool:
         layout = self.layout()
@@ -256,7 +258,7 @@ def _wrap_get_optimizer(original):
             received = broadcast_replicas(
                 _state.groups().layout,
                 get_attr_wrapped_model(chunk, "sharded_state_dict", return_model_obj=True),
-                GroupCache())
+                _state.cache)
             log.info("rank %d: %d parameter elements set from their replicas in other "
                      "pipelines", dist.get_rank(), received)
         return original(config, model_chunks, *args, **kwargs)
@@ -447,7 +449,7 @@ def _stage(chunk) -> _Stage:
 
     groups = _state.groups()
     layout = groups.layout
-    cache = GroupCache()
+    cache = _state.cache
     model = get_attr_wrapped_model(chunk, "sharded_state_dict", return_model_obj=True)
     grad_sync = GradientSynchronizer(layout, model, cache)
     last_stage_ranks = [r for pipe in layout.pipelines for r in pipe.stages[-1].ranks]
