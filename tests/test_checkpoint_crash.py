@@ -8,7 +8,9 @@ listed, and the next ``--load`` start must delete the partial ``.tmp_`` director
 Run 1 (saves every 2 steps) is killed in rank 0, the committer, as soon as the
 temporary directory of step 4 appears. Run 2 resumes (saves every 3 steps) and is
 killed in rank 0 once rank 1 has declared its part of step 6 durable, before the
-commit. A third run saves onto a file system with room for one step only and, with
+commit. In both, rank 0 is frozen (SIGSTOP) the moment the step's temporary directory
+appears, so its commit cannot win a race against the kill however fast the machine.
+A third run saves onto a file system with room for one step only and, with
 ``--on-save-error continue``, trains to the end.
 """
 
@@ -44,21 +46,27 @@ def worker_ranks(proc: subprocess.Popen) -> dict[int, psutil.Process]:
 
 
 def kill_when(args: list[str], log: Path, moment: Callable[[], bool], victim: int,
-              before: Callable[[], None] = lambda: None, timeout: float = 600) -> None:
+              before: Callable[[], None] = lambda: None,
+              freeze: Callable[[], bool] = lambda: False, timeout: float = 600) -> None:
     """Start ``elastor train args``; the first time ``moment()`` holds, SIGKILL rank
     ``victim``; wait for the world to end. ``before`` is checked on every poll until
-    then (it may assert)."""
+    then (it may assert). The first time ``freeze()`` holds, ``victim`` is stopped
+    (SIGSTOP): it does nothing more until the kill, while the other ranks go on."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "elastor_mcore.cli", "train", *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     ranks: dict[int, psutil.Process] = {}
+    frozen = False
     deadline = time.monotonic() + timeout
     try:
         while True:
             if len(ranks) < 2:
                 ranks = worker_ranks(proc)
             before()
+            if not frozen and victim in ranks and freeze():
+                ranks[victim].suspend()
+                frozen = True
             if moment():
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -89,13 +97,14 @@ def test_killed_saves_leave_the_previous_step_and_are_cleaned(tmp_path):
     common = ["--recipe", str(TINY), "--layout", "dp2-tp1-pp1", "--steps", STEPS,
               "--save", str(root)]
 
+    def step4_begun() -> bool:
+        return partial(root, 4) is not None
+
     kill_when(common + ["--save-interval", "2"], tmp_path / "run1.log",
-              moment=lambda: partial(root, 4) is not None, victim=0)
+              moment=step4_begun, victim=0, freeze=step4_begun)
     tmp4 = partial(root, 4)
     assert ck.committed_steps(root) == [2] and tmp4 is not None
     assert_loads(root, 2)
-
-    committed_before_kill = []
 
     def stale_removed_at_start() -> None:
         if partial(root, 3) is not None:
@@ -103,22 +112,15 @@ def test_killed_saves_leave_the_previous_step_and_are_cleaned(tmp_path):
 
     def rank1_durable() -> bool:
         tmp6 = partial(root, 6)
-        if tmp6 is not None and (tmp6 / "done.rank1").exists():
-            committed_before_kill.append((root / "step_00000006").exists())
-            return True
-        return False
+        return tmp6 is not None and (tmp6 / "done.rank1").exists()
 
     kill_when(common + ["--save-interval", "3", "--load", str(root)],
               tmp_path / "run2.log", moment=rank1_durable, victim=0,
-              before=stale_removed_at_start)
-    assert committed_before_kill == [False]
+              before=stale_removed_at_start, freeze=lambda: partial(root, 6) is not None)
     committed = ck.committed_steps(root)
-    assert 3 in committed
-    if 6 in committed:  # the commit won the race against the kill: step 6 is whole
-        assert partial(root, 6) is None
-    else:
-        assert partial(root, 6) is not None and ck.latest_step(root) == 3
-    assert_loads(root, ck.latest_step(root))
+    assert 3 in committed and 6 not in committed
+    assert partial(root, 6) is not None and ck.latest_step(root) == 3
+    assert_loads(root, 3)
 
 
 @pytest.mark.timeout(900)
