@@ -34,7 +34,7 @@ from tests.conftest import REPO, TINY, run_world
 from tests.s3_server import s3_environment
 from tests.test_checkpoint_crash import assert_loads, kill_when
 from tests.test_checkpoint_world import (  # rerun on the S3 world below  # noqa: F401
-    test_each_cell_written_once_and_spread, test_replicas_read_once_per_job,
+    job_read_amplification, test_each_cell_written_once_and_spread,
     test_resharded_load_is_bit_exact)
 from tests.workers.checkpoint_world import load_boxes, mismatches
 
@@ -61,6 +61,14 @@ def world(s3, tmp_path_factory):
                         if k != "max_puts_in_flight"}
     result["server"]["max_puts_in_flight"] = s3.counters()["max_puts_in_flight"]
     return result
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["halves", "whole"])
+def test_replicas_read_once_per_job(world, layout):
+    """On object storage, where no page cache is shared, replicas on one host share
+    reads too: the job fetches each byte about once."""
+    assert job_read_amplification(world, "one host", layout) <= MAX_READ_AMPLIFICATION
 
 
 @pytest.mark.timeout(300)

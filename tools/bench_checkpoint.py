@@ -18,10 +18,11 @@ valid) with fp32 weights plus AdamW's two moments, filled with random values.
    (the checkpoint's files evicted with ``posix_fadvise DONTNEED``; they are clean
    after fsync) and warm, and a raw sequential read of the elastor files split over
    the loading ranks. Per load: wall (barrier to barrier), CPU seconds of every rank
-   (``getrusage``, all threads), bytes read: ``/proc/self/io`` ``rchar`` and
-   ``read_bytes`` summed over ranks, and for elastor the bytes its readers took from
-   the checkpoint files (``storage_bytes_read``; ``rchar`` would also count the
-   replicas' bytes received over gloo's sockets). Figures are medians.
+   (``getrusage``, all threads), bytes read: ``/proc/self/io`` ``rchar`` (what the
+   processes read from files, page cache or not) and ``read_bytes`` (what the device
+   served) summed over ranks, and for elastor the bytes its readers took from the
+   checkpoint files (``storage_bytes_read``; ``rchar`` would also count bytes received
+   over gloo's sockets). Figures are medians.
 
 ``--storage s3`` measures object storage instead (``STORAGE_CASE``, a 4-rank world):
 the same save (synchronous, TP2 x PP2) and a resharded load (to TP1 x PP2), once to
@@ -538,10 +539,12 @@ def ratios(f: dict[str, float]) -> dict[str, float]:
             g(c, "raw", "cold", "wall_s") / g(c, "elastor", "cold", "wall_s") for c in cases),
         read_amplification_max=max(
             g(c, "elastor", "cold", "storage_bytes") / f[f"{c}_bytes_needed"] for c in cases),
+        torch_dist_read_amplification_max=max(
+            g(c, "torch_dist", "cold", "rchar") / f[f"{c}_bytes_needed"] for c in cases),
         job_read_amplification=max(
-            g(c, "elastor", "cold", "storage_bytes") / f[f"{c}_bytes_unique"] for c in cases),
+            g(c, "elastor", "cold", "read_bytes") / f[f"{c}_bytes_unique"] for c in cases),
         torch_dist_job_read_amplification=max(
-            g(c, "torch_dist", "cold", "rchar") / f[f"{c}_bytes_unique"] for c in cases))
+            g(c, "torch_dist", "cold", "read_bytes") / f[f"{c}_bytes_unique"] for c in cases))
     return out
 
 
