@@ -74,7 +74,17 @@ def _load_crc32c() -> Callable[[int, int, int], int] | None:
     return extend
 
 
-_crc32c = _load_crc32c()
+_crc32c_extend = _load_crc32c()
+
+
+def crc32c_available() -> bool:
+    """Whether ``crc32c`` works here (the fast paths need it; else TensorStore)."""
+    return _crc32c_extend is not None
+
+
+def crc32c(address: int, nbytes: int) -> int:
+    """The crc32c of ``nbytes`` of memory at ``address`` (GIL released)."""
+    return _crc32c_extend(0, address, nbytes)
 
 
 def bytes_read() -> int:
@@ -84,7 +94,7 @@ def bytes_read() -> int:
 
 def handles(entry: TensorEntry, target: LocalShard) -> bool:
     """Whether ``target`` of a tensor stored as ``entry`` can be read here."""
-    return (_crc32c is not None and target.data.device.type == "cpu"
+    return (crc32c_available() and target.data.device.type == "cpu"
             and len(entry.shape) > 0 and entry.dtype in DTYPE_ITEMSIZE
             and all(s % c == 0 for s, c in zip(entry.shard, entry.chunks)))
 
@@ -174,7 +184,7 @@ class _Corrupt(Exception):
 
 def _read_file(read: _FileRead) -> int:
     entry = read.entry
-    dest = _int_view(read.target.data)
+    dest = int_view(read.target.data)
     per_file = [s // c for s, c in zip(entry.shard, entry.chunks)]
     crc_bytes = CRC_BYTES if entry.checksum == "crc32c" else 0
     chunk_nbytes = math.prod(entry.chunks) * DTYPE_ITEMSIZE[entry.dtype]
@@ -225,7 +235,7 @@ def _read_index(fd: int, size: int, n: int, crc_bytes: int, path: Path) -> np.nd
     raw = os.pread(fd, length, size - length)
     if len(raw) != length:
         raise _Corrupt(path, "short read of the index")
-    if crc_bytes and _crc32c(0, _address(raw), 16 * n) != int.from_bytes(raw[-4:], "little"):
+    if crc_bytes and crc32c(_address(raw), 16 * n) != int.from_bytes(raw[-4:], "little"):
         raise _Corrupt(path, "checksum mismatch of the shard index")
     return np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2)
 
@@ -256,7 +266,7 @@ def _read_direct(fd: int, chunks: list[tuple[int, np.ndarray, tuple[_Axis, ...]]
         if crc_bytes:
             stored = crcs.view("<u4")[:, 0]
             for (_, view, chunk), crc in zip(run, stored):
-                if _crc32c(0, view.ctypes.data, chunk_nbytes) != crc:
+                if crc32c(view.ctypes.data, chunk_nbytes) != crc:
                     raise _Corrupt(path, f"checksum mismatch of chunk {_where(chunk)}")
         total += want
         start = end
@@ -291,7 +301,7 @@ def _read_bounced(fd: int, chunks: list[tuple[int, tuple[_Axis, ...]]], read: _F
             raise _Corrupt(read.path, f"short read ({got} of {want} bytes)")
         for i, (_, chunk) in enumerate(chunks[start:end]):
             at = i * stride
-            if crc_bytes and _crc32c(0, address + at, chunk_nbytes) != int.from_bytes(
+            if crc_bytes and crc32c(address + at, chunk_nbytes) != int.from_bytes(
                     raw[at + chunk_nbytes:at + stride], "little"):
                 raise _Corrupt(read.path, f"checksum mismatch of chunk {_where(chunk)}")
             dest[tuple(a.dest for a in chunk)] = wholes[i][tuple(a.source for a in chunk)]
@@ -303,7 +313,7 @@ def _read_bounced(fd: int, chunks: list[tuple[int, tuple[_Axis, ...]]], read: _F
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _int_view(tensor: torch.Tensor) -> np.ndarray:
+def int_view(tensor: torch.Tensor) -> np.ndarray:
     """A numpy array of same-sized integers sharing ``tensor``'s memory and strides
     (numpy has no bfloat16, and bit copies need no float semantics)."""
     return tensor.detach().view(_INT_OF_SIZE[tensor.element_size()]).numpy()

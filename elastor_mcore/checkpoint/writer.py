@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from elastor_mcore.checkpoint import comm
+from elastor_mcore.checkpoint import comm, fast_write
 from elastor_mcore.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, ChunkPolicy, Manifest,
     TensorEntry, committed_steps, parse_step, step_dir_name, tmp_name)
@@ -231,12 +231,19 @@ def write_whole(tmp: Path | ObjectPath, key: str, entry: TensorEntry, tensor: to
 
 
 def _write_units(tmp: Path | ObjectPath, entries: dict[str, TensorEntry], sources: Sources) -> None:
-    """Issue every write of this rank at once, then wait for all of them."""
-    if not sources:
+    """Write this rank's units: whole files of local arrays by ``fast_write``, the rest
+    issued to TensorStore at once, then waited for together."""
+    local = not isinstance(tmp, ObjectPath)
+    direct = [(u.key, entries[u.key], u.box, data) for u, data in sources
+              if local and fast_write.handles(entries[u.key], u.box, data)]
+    rest = [(u, data) for u, data in sources
+            if not (local and fast_write.handles(entries[u.key], u.box, data))]
+    fast_write.write_files(tmp, direct)
+    if not rest:
         return
-    arrays = open_arrays(tmp, {u.key: entries[u.key] for u, _ in sources}, create=False)
+    arrays = open_arrays(tmp, {u.key: entries[u.key] for u, _ in rest}, create=False)
     futures = [(unit.key, arrays[unit.key][unit.box.slices()].write(numpy_view(data)).commit)
-               for unit, data in sources]
+               for unit, data in rest]
     wait_all(futures, "write")
 
 
