@@ -234,10 +234,12 @@ def _write_units(tmp: Path | ObjectPath, entries: dict[str, TensorEntry], source
     """Write this rank's units: whole files of local arrays by ``fast_write``, the rest
     issued to TensorStore at once, then waited for together."""
     local = not isinstance(tmp, ObjectPath)
-    direct = [(u.key, entries[u.key], u.box, data) for u, data in sources
-              if local and fast_write.handles(entries[u.key], u.box, data)]
-    rest = [(u, data) for u, data in sources
-            if not (local and fast_write.handles(entries[u.key], u.box, data))]
+    direct, rest = [], []
+    for unit, data in sources:
+        if local and fast_write.handles(entries[unit.key], unit.box, data):
+            direct.append((unit.key, entries[unit.key], unit.box, data))
+        else:
+            rest.append((unit, data))
     fast_write.write_files(tmp, direct)
     if not rest:
         return
