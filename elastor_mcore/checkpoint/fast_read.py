@@ -30,7 +30,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from elastor_mcore.checkpoint.format import DTYPE_ITEMSIZE, CheckpointError, TensorEntry
+from elastor_mcore.checkpoint.format import (
+    DTYPE_ITEMSIZE, CheckpointError, TensorEntry, failed_for, file_path)
 from elastor_mcore.checkpoint.plan import LocalShard
 
 log = logging.getLogger(__name__)
@@ -147,8 +148,7 @@ def read_targets(step_dir: Path, entries: dict[str, TensorEntry],
     if failures:
         corrupt = any("corrupted" in f for f in failures)
         raise CheckpointError(
-            f"read from {step_dir} failed for " + "; ".join(failures[:5])
-            + (f"; and {len(failures) - 5} more" if len(failures) > 5 else "")
+            f"read from {step_dir} failed for " + failed_for(failures)
             + ("; load another step" if corrupt else ""))
 
 
@@ -163,8 +163,7 @@ def _file_reads(step_dir: Path, entry: TensorEntry, target: LocalShard) -> list[
                 g % (s // c), slice(start - lo, stop - lo), slice(start - g * c, stop - g * c),
                 start == g * c and stop == g * c + c))
         per_dim.append(sorted(files.items()))
-    base = step_dir / target.key / "c"
-    return [_FileRead(entry, target, base.joinpath(*(str(f) for f, _ in combo)),
+    return [_FileRead(entry, target, file_path(step_dir, target.key, [f for f, _ in combo]),
                       [axes for _, axes in combo])
             for combo in itertools.product(*per_dim)]
 

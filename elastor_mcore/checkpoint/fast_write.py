@@ -31,7 +31,8 @@ import torch
 
 from elastor_mcore.checkpoint import fast_read
 from elastor_mcore.checkpoint.fast_read import ABSENT, CRC_BYTES, MAX_IOVECS, READ_THREADS
-from elastor_mcore.checkpoint.format import DTYPE_ITEMSIZE, CheckpointError, TensorEntry
+from elastor_mcore.checkpoint.format import (
+    DTYPE_ITEMSIZE, CheckpointError, TensorEntry, failed_for, file_path)
 from elastor_mcore.geometry import Box
 
 WRITE_THREADS = READ_THREADS
@@ -58,13 +59,12 @@ def write_files(step_dir: Path, units: Sequence[tuple[str, TensorEntry, Box, tor
     with ThreadPoolExecutor(max_workers=min(WRITE_THREADS, len(units))) as pool:
         failures = [f for f in pool.map(lambda unit: _write_safely(step_dir, *unit), units) if f]
     if failures:
-        raise CheckpointError(f"write to {step_dir} failed for " + "; ".join(failures[:5])
-                              + (f"; and {len(failures) - 5} more" if len(failures) > 5 else ""))
+        raise CheckpointError(f"write to {step_dir} failed for " + failed_for(failures))
 
 
-def file_path(step_dir: Path, key: str, entry: TensorEntry, box: Box) -> Path:
+def unit_path(step_dir: Path, key: str, entry: TensorEntry, box: Box) -> Path:
     """The file holding the outer chunk that begins at ``box.offset``."""
-    return step_dir.joinpath(key, "c", *(str(o // s) for o, s in zip(box.offset, entry.shard)))
+    return file_path(step_dir, key, [o // s for o, s in zip(box.offset, entry.shard)])
 
 
 def _write_safely(step_dir: Path, key: str, entry: TensorEntry, box: Box,
@@ -73,7 +73,7 @@ def _write_safely(step_dir: Path, key: str, entry: TensorEntry, box: Box,
     try:
         _write_file(step_dir, key, entry, box, data)
     except OSError as exc:
-        return f"tensor {key}, file {file_path(step_dir, key, entry, box)}: {exc}"
+        return f"tensor {key}, file {unit_path(step_dir, key, entry, box)}: {exc}"
     return None
 
 
@@ -84,7 +84,7 @@ def _write_file(step_dir: Path, key: str, entry: TensorEntry, box: Box,
     chunk_nbytes = math.prod(entry.chunks) * DTYPE_ITEMSIZE[entry.dtype]
     per_file = [s // c for s, c in zip(entry.shard, entry.chunks)]
     index = np.full((math.prod(per_file), 2), ABSENT, dtype="<u8")
-    path = file_path(step_dir, key, entry, box)
+    path = unit_path(step_dir, key, entry, box)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

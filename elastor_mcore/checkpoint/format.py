@@ -38,6 +38,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, partial, corrupted, or does not fit the run."""
 
 
+def failed_for(failures: list[str]) -> str:
+    """``failures`` as one message: the first five, and how many more."""
+    return "; ".join(failures[:5]) + (f"; and {len(failures) - 5} more" if len(failures) > 5
+                                      else "")
+
+
+def file_path(step_dir: Path, key: str, file_coords: Sequence[int]) -> Path:
+    """The file of the outer chunk at ``file_coords`` of array ``key`` (zarr v3's default
+    chunk key encoding, ``c/<i>/<j>/...``)."""
+    return step_dir.joinpath(key, "c", *(str(i) for i in file_coords))
+
+
 # --------------------------------------------------------------------------- manifest
 
 

@@ -13,7 +13,7 @@ import tensorstore as ts
 import torch
 
 from elastor_mcore.checkpoint import fast_read
-from elastor_mcore.checkpoint.format import CheckpointError, TensorEntry, array_spec
+from elastor_mcore.checkpoint.format import CheckpointError, TensorEntry, array_spec, failed_for
 from elastor_mcore.checkpoint.location import S3_REQUEST_CONCURRENCY, ObjectPath
 
 IO_CONCURRENCY = 16
@@ -74,9 +74,7 @@ def wait_all(futures: Iterable[tuple[str, ts.Future]], action: str) -> list:
     if failures:
         corrupt = any(m in f.lower() for f in failures for m in ("digest mismatch", "data_loss"))
         hint = " (checksum mismatch: the file is corrupted; load another step)" if corrupt else ""
-        raise CheckpointError(f"{action} failed for " + "; ".join(failures[:5])
-                              + (f"; and {len(failures) - 5} more" if len(failures) > 5
-                                 else "") + hint)
+        raise CheckpointError(f"{action} failed for " + failed_for(failures) + hint)
     return results
 
 
