@@ -215,21 +215,16 @@ class _Owned:
         return self.bucket.cuts[self.index], self.bucket.cuts[self.index + 1]
 
 
-class DistributedOptimizer(AdamWState):
-    """A rank's ZeRO-1 AdamW: its gradient reduction, norm and clipping too (it plays
-    ``GradientSynchronizer``'s part in the step), and the lr schedule."""
+class ZeroShards:
+    """A rank's part of ZeRO-1: its owned segments, their fp32 main parameters, the
+    gradient reduce-scatter, the norm and the weights' all-gather. The optimizer that
+    steps the main parameters is the caller's (``DistributedOptimizer`` here, an adapter
+    of Megatron's optimizer interface in ``integrations/megatron_lm``); every parameter's
+    gradient buffer (``grad_sync.grad_buffer``) must exist when it is built."""
 
-    def __init__(self, model: torch.nn.Module, recipe: Recipe, plan: ShardPlan,
-                 cache: GroupCache) -> None:
+    def __init__(self, plan: ShardPlan, cache: GroupCache, device: torch.device) -> None:
         rank = dist.get_rank()
-        self.recipe, self.plan = recipe, plan
-        self.params = list(model.parameters())
-        self.mixed = recipe.training.params_dtype != "float32"
-        for p in self.params:
-            if self.mixed:
-                add_main_grad(p)
-            elif p.grad is None:
-                p.grad = torch.zeros_like(p)
+        self.plan = plan
         self._buckets: list[_Owned] = []
         local = plan.refinement.local
         pipeline_of = plan.refinement.pipeline_of
@@ -240,12 +235,8 @@ class DistributedOptimizer(AdamWState):
             first_in_pipeline = min(h for h in bucket.holders
                                     if pipeline_of[h] == pipeline_of[rank])
             fragments = bucket.fragments(rank)
-            mains = []
-            for frag in fragments:
-                piece = local[frag.cell.key]
-                weight = piece.view(piece.param.detach(), frag.box)
-                mains.append(torch.empty(weight.shape, dtype=torch.float32,
-                                         device=weight.device).copy_(weight))
+            mains = [torch.empty(frag.box.shape, dtype=torch.float32, device=device)
+                     for frag in fragments]
             group = cache.get(bucket.holders) if len(bucket.holders) > 1 else None
             owned = _Owned(
                 bucket, group, bucket.holders.index(rank),
@@ -253,32 +244,21 @@ class DistributedOptimizer(AdamWState):
                 rank == first_in_pipeline,
                 [p.view(p.param.data, c.box) for p, c in zip(pieces, bucket.cells)],
                 fragments, mains,
-                torch.zeros(bucket.segment_numel, dtype=torch.float32,
-                            device=self.params[0].device))
+                torch.zeros(bucket.segment_numel, dtype=torch.float32, device=device))
             lo = owned.span[0]
             for frag, main in zip(fragments, mains):
                 start = frag.offset - lo
                 main.grad = owned.owned_grad[start:start + main.numel()].view(main.shape)
             self._buckets.append(owned)
-        mains = [(m, f) for b in self._buckets for m, f in zip(b.mains, b.fragments)]
-        shapes = plan.refinement.shapes
-        self.adamw = adamw(recipe, [m for m, f in mains if len(shapes[f.cell.key]) > 1],
-                           [m for m, f in mains if len(shapes[f.cell.key]) <= 1])
-        self.scheduler = lr_scheduler(self.adamw, recipe)
+        self.copy_model_to_main()
         owned_bytes, formula = planned_state_bytes(plan.buckets, rank)
         log.info("rank %d: ZeRO-1 over %d replica sets, optimizer state %d bytes "
                  "(12 B/param / replicas: %.0f)", rank, len(self._buckets), owned_bytes,
                  formula)
 
-    # The step, in the order ``StageRunner.train_step`` calls it.
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            if self.mixed:
-                p.main_grad.zero_()
-                p.grad = None
-            else:
-                p.grad.zero_()
+    def owned_mains(self) -> list[tuple[Fragment, torch.Tensor]]:
+        """Every owned fragment with its fp32 main parameter, in buffer order."""
+        return [(f, m) for b in self._buckets for f, m in zip(b.fragments, b.mains)]
 
     @torch.no_grad()
     def reduce(self, native: bool | None = None) -> None:
@@ -344,14 +324,6 @@ class DistributedOptimizer(AdamWState):
             b.owned_grad.mul_(factor)
 
     @torch.no_grad()
-    def step(self) -> None:
-        """AdamW on the owned main parameters, all-gather them into the weights,
-        advance the schedule."""
-        self.adamw.step()
-        self.copy_main_to_model()
-        self.scheduler.step(increment=self.recipe.training.global_batch_size)
-
-    @torch.no_grad()
     def copy_main_to_model(self) -> None:
         """All-gather every replica set's main parameters, rounded to the weights'
         dtype, into the weights (after a step or a load)."""
@@ -373,7 +345,13 @@ class DistributedOptimizer(AdamWState):
             for weight, start in zip(b.weights, b.bucket.cell_offsets()):
                 weight.copy_(flat[start:start + weight.numel()].view(weight.shape))
 
-    # What the checkpoint and the loop read.
+    @torch.no_grad()
+    def copy_model_to_main(self) -> None:
+        """The owned main parameters from the weights (after a load of weights only)."""
+        local = self.plan.refinement.local
+        for fragment, main in self.owned_mains():
+            piece = local[fragment.cell.key]
+            main.copy_(piece.view(piece.param.detach(), fragment.box))
 
     def main_shards(self) -> list[LocalShard]:
         """The owned fp32 main parameters as boxes of their global tensors; each
@@ -385,3 +363,45 @@ class DistributedOptimizer(AdamWState):
     def expected_state_nbytes(self) -> float:
         """The formula: 12 bytes per parameter divided by its replica count."""
         return planned_state_bytes(self.plan.buckets, dist.get_rank())[1]
+
+
+class DistributedOptimizer(ZeroShards, AdamWState):
+    """A rank's ZeRO-1 AdamW for ``elastor train``: its gradient reduction, norm and
+    clipping too (it plays ``GradientSynchronizer``'s part in the step), and the lr
+    schedule."""
+
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, plan: ShardPlan,
+                 cache: GroupCache) -> None:
+        self.recipe = recipe
+        self.params = list(model.parameters())
+        self.mixed = recipe.training.params_dtype != "float32"
+        for p in self.params:
+            if self.mixed:
+                add_main_grad(p)
+            elif p.grad is None:
+                p.grad = torch.zeros_like(p)
+        super().__init__(plan, cache, self.params[0].device)
+        mains = self.owned_mains()
+        shapes = plan.refinement.shapes
+        self.adamw = adamw(recipe, [m for f, m in mains if len(shapes[f.cell.key]) > 1],
+                           [m for f, m in mains if len(shapes[f.cell.key]) <= 1])
+        self.scheduler = lr_scheduler(self.adamw, recipe)
+
+    # The step, in the order ``StageRunner.train_step`` calls it: zero_grad, reduce,
+    # global_norm, scale_ (clipping), step.
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            if self.mixed:
+                p.main_grad.zero_()
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the owned main parameters, all-gather them into the weights,
+        advance the schedule."""
+        self.adamw.step()
+        self.copy_main_to_model()
+        self.scheduler.step(increment=self.recipe.training.global_batch_size)

@@ -45,11 +45,13 @@ logging, checkpoints) as it is:
   pipeline rank, so pipelines of different shapes start with different values of the
   layers they share; once the model is built, every replica takes its lowest-ranked
   holder's values (``grad_sync.broadcast_replicas``), as the optimizer is built.
-* **Distributed optimizer.** ``--use-distributed-optimizer`` runs Megatron's own
-  distributed optimizer unchanged: it shards the state over the rank's data-parallel
-  group (its exact replicas), takes its shard of the summed ``main_grad`` and
-  all-gathers the updated parameters there. Its checkpoints must be saved fully
-  reshardable (``optimizer.state.param.*`` etc. in model space, any layout).
+* **Distributed optimizer.** ``--use-distributed-optimizer`` shards the optimizer
+  state with Elastor's ZeRO-1 over every holder of each piece of each weight, across
+  pipelines of any shape (``zero_optimizer.py``), instead of Megatron's, which would
+  shard it over exact replicas only. The schedule's reduction then reduce-scatters into
+  each rank's owned segments, and the optimizer all-gathers the updated weights. Its
+  checkpoints are Megatron's fully reshardable format (``optimizer.state.param.*`` etc.
+  in model space, any layout).
 
 Evaluation runs the same forward steps without backward (``forward_only``).
 Everything else (what Megatron-LM's loop cannot do under such a layout) is refused
@@ -58,6 +60,7 @@ before training by ``unsupported_reason``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -69,6 +72,7 @@ import torch.distributed as dist
 from elastor_mcore.data.samples import pipeline_sample_indices
 from elastor_mcore.parallel.groups import GroupCache, RankGroups
 from elastor_mcore.parallel.layout import Layout
+from elastor_mcore.runtime.distributed_optimizer import ShardPlan, ZeroShards
 from elastor_mcore.runtime.grad_sync import GradientSynchronizer, broadcast_replicas
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.runtime.schedule import run_1f1b
@@ -179,7 +183,7 @@ class _Stage:
     """What the schedule keeps between steps (built on the first step: collective)."""
 
     groups: RankGroups
-    grad_sync: GradientSynchronizer
+    grad_sync: GradientSynchronizer | ZeroShards
     comm: StageCommunicator
     last_stages: Any            # every rank of every last stage (the loss reports)
     norm: float | None = None   # this step's global gradient norm
@@ -190,6 +194,8 @@ class _State:
     groups: Callable[[], RankGroups | None]
     layout: Callable[[], Layout | None]
     stage: _Stage | None = None
+    zero: ZeroShards | None = None
+    """The ZeRO-1 shards under ``--use-distributed-optimizer`` (built with the optimizer)."""
     cache: GroupCache = field(default_factory=GroupCache)
     """The groups of the start-up weight broadcast and of every step (created once)."""
 
@@ -249,19 +255,31 @@ def _wrap_get_optimizer(original):
     before the optimizer copies the weights (both releases build the model, through
     ``get_model`` or a model builder, then call this with it): a fresh start would
     otherwise train pipelines that disagree on every layer they share. A checkpoint
-    loaded afterwards overwrites all."""
+    loaded afterwards overwrites all. Under ``--use-distributed-optimizer`` Megatron
+    builds its plain optimizer (for its param groups), which ``zero_megatron_optimizer``
+    turns into ZeRO-1 across pipelines."""
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
-        if _active():
-            from megatron.core.utils import get_attr_wrapped_model
+        if not _active():
+            return original(config, model_chunks, *args, **kwargs)
+        from megatron.core.utils import unwrap_model
 
-            chunk = _single_chunk(model_chunks)
-            received = broadcast_replicas(
-                _state.groups().layout,
-                get_attr_wrapped_model(chunk, "sharded_state_dict", return_model_obj=True),
-                _state.cache)
-            log.info("rank %d: %d parameter elements set from their replicas in other "
-                     "pipelines", dist.get_rank(), received)
-        return original(config, model_chunks, *args, **kwargs)
+        # Unwrapped as Megatron-LM's checkpoints are: the ZeRO-1 state's keys are its.
+        model = unwrap_model(_single_chunk(model_chunks))
+        layout = _state.groups().layout
+        received = broadcast_replicas(layout, model, _state.cache)
+        log.info("rank %d: %d parameter elements set from their replicas in other "
+                 "pipelines", dist.get_rank(), received)
+        if not config.use_distributed_optimizer:
+            return original(config, model_chunks, *args, **kwargs)
+        from elastor_mcore.integrations.megatron_lm import hooks
+        from elastor_mcore.integrations.megatron_lm.zero_optimizer import (
+            zero_megatron_optimizer)
+
+        plain = original(dataclasses.replace(config, use_distributed_optimizer=False),
+                         model_chunks, *args, **kwargs)
+        plan = ShardPlan.build(layout, model, _state.cache, hooks.options().save.chunking)
+        _state.zero = ZeroShards(plan, _state.cache, next(model.parameters()).device)
+        return zero_megatron_optimizer(plain, _state.zero, lambda: _state.stage.norm)
     return get_megatron_optimizer
 
 
@@ -413,7 +431,7 @@ def forward_backward(*, forward_step_func, data_iterator, model, forward_only: b
             stage.comm.send_forward(forward(i, stage.comm.recv_forward()))
     else:
         run_1f1b(count, groups.position.stage, groups.num_stages, stage.comm, forward)
-        _finalize_grads(stage, chunk, tokens)
+        _finalize_grads(stage, tokens)
     return _global_report(stage, reports)
 
 
@@ -451,7 +469,7 @@ def _stage(chunk) -> _Stage:
     layout = groups.layout
     cache = _state.cache
     model = get_attr_wrapped_model(chunk, "sharded_state_dict", return_model_obj=True)
-    grad_sync = GradientSynchronizer(layout, model, cache)
+    grad_sync = _state.zero or GradientSynchronizer(layout, model, cache)
     last_stage_ranks = [r for pipe in layout.pipelines for r in pipe.stages[-1].ranks]
     last_stages = cache.get(last_stage_ranks)
     config = get_model_config(chunk)
@@ -474,7 +492,7 @@ def _contributes(groups: RankGroups) -> bool:
 
 
 @torch.no_grad()
-def _finalize_grads(stage: _Stage, chunk, tokens: torch.Tensor) -> None:
+def _finalize_grads(stage: _Stage, tokens: torch.Tensor) -> None:
     """Sum ``main_grad`` over pipelines, divide by the global batch's tokens, and
     compute the global norm every rank's optimizer clips by."""
     groups = stage.groups
@@ -483,7 +501,7 @@ def _finalize_grads(stage: _Stage, chunk, tokens: torch.Tensor) -> None:
     if total.item() <= 0:
         raise RuntimeError("the global batch has no loss tokens (every loss_mask is zero)")
     stage.grad_sync.reduce()
-    chunk.scale_gradients(1.0 / total.item())
+    stage.grad_sync.scale_(1.0 / total.item())
     norm = stage.grad_sync.global_norm(groups.active)
     if not math.isfinite(norm):
         from megatron.training import get_args
