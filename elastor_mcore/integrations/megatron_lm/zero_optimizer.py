@@ -150,13 +150,13 @@ class ZeroMegatronOptimizer(_megatron_optimizer_base()):
         step = float(steps.pop())
         for state in self.optimizer.state.values():
             state["step"].fill_(step)
+        mains = self.shards.owned_mains()
         for index, tensors in state_dict.get("param_state", {}).items():
-            for name, target in self._owned_tensors(int(index)).items():
+            for name, target in self._owned_tensors(mains[int(index)][1]).items():
                 if tensors[name] is not target:
                     target.copy_(tensors[name])
 
-    def _owned_tensors(self, index: int) -> dict[str, torch.Tensor]:
-        main = self.shards.owned_mains()[index][1]
+    def _owned_tensors(self, main: torch.Tensor) -> dict[str, torch.Tensor]:
         state = self.optimizer.state[main]
         return {MAIN_PARAM: main, **{name: state[name] for name in ADAM_MOMENTS}}
 
@@ -175,12 +175,12 @@ class ZeroMegatronOptimizer(_megatron_optimizer_base()):
         ensure_optimizer_state(self.optimizer)
         shapes = self.shards.plan.refinement.shapes
         param_state = {}
-        for index, (fragment, _) in enumerate(self.shards.owned_mains()):
+        for index, (fragment, main) in enumerate(self.shards.owned_mains()):
             key, box = fragment.cell.key, fragment.box
             param_state[index] = {
                 name: ShardedTensor(f"{STATE_PREFIX}.{name}.{key}", tensor, tensor.dtype,
                                     tuple(box.shape), tuple(shapes[key]), tuple(box.offset),
                                     None, replica_id=0)
-                for name, tensor in self._owned_tensors(index).items()}
+                for name, tensor in self._owned_tensors(main).items()}
         return {**self.state_dict(), "param_state": param_state,
                 "param_state_sharding_type": SHARDING_TYPE}
