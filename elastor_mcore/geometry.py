@@ -94,14 +94,18 @@ def common_refinement(infos_by_rank: dict[int, Sequence[ShardInfo]]) -> list[Cel
             boxes.setdefault(info.key, []).append((rank, info.box))
     cells = []
     for key in sorted(boxes):
-        held = boxes[key]
-        cuts = boundaries(shapes[key], [box for _, box in held])
-        intervals = [list(zip(c[:-1], c[1:])) for c in cuts]
-        for combo in itertools.product(*intervals):
-            box = Box(tuple(lo for lo, _ in combo), tuple(hi - lo for lo, hi in combo))
-            holders = tuple(sorted({r for r, b in held if b.contains(box)}))
-            if holders:
-                cells.append(Cell(key, box, holders))
+        cuts = boundaries(shapes[key], [box for _, box in boxes[key]])
+        position = [{point: i for i, point in enumerate(c)} for c in cuts]
+        holders: dict[tuple[int, ...], set[int]] = {}
+        for rank, box in boxes[key]:  # each box adds its rank to the cells it covers
+            spans = [range(at[lo], at[lo + n])
+                     for at, lo, n in zip(position, box.offset, box.shape)]
+            for cell in itertools.product(*spans):
+                holders.setdefault(cell, set()).add(rank)
+        for cell in sorted(holders):  # by offset: the order of the cells' positions
+            cells.append(Cell(key, Box(tuple(c[i] for c, i in zip(cuts, cell)),
+                                       tuple(c[i + 1] - c[i] for c, i in zip(cuts, cell))),
+                              tuple(sorted(holders[cell]))))
     return cells
 
 

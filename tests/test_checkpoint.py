@@ -121,6 +121,12 @@ def test_chunks_are_unions_for_every_tp_size():
                        ck.ChunkPolicy())
     assert big.nbytes // big.num_chunks <= ck.ChunkPolicy().chunk_bytes
     assert (8192 // 8) % big.chunks[0] == 0
+    # rows stay whole (contiguous in a row-sharded target), and the chunk is the largest
+    # such one under the limit: 32 rows of 4096 bf16 are exactly 256 KiB
+    assert big.chunks == (32, 4096)
+    wide = choose_entry((768, 3072), "float32", [[0, 768], [0, 1536, 3072]],
+                        ck.ChunkPolicy(split_sizes=(1, 2, 3, 4)))
+    assert wide.chunks == (256, 256)  # split columns: 3072 / 12; then rows down to the limit
 
 
 def test_writer_assignment_spreads_replicas():

@@ -79,11 +79,14 @@ def strided(shape: tuple[int, ...], dtype: torch.dtype, kind: str) -> torch.Tens
     return big[tuple(slice(None, None, 2) for _ in shape)]
 
 
+@pytest.mark.parametrize("read_bytes", ["default", "one chunk"])
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(ENTRIES))
-def test_random_boxes_match_tensorstore(tmp_path, name, dtype, seed):
+def test_random_boxes_match_tensorstore(tmp_path, monkeypatch, name, dtype, seed, read_bytes):
     entry = dataclasses.replace(ENTRIES[name], dtype=dtype)
+    if read_bytes == "one chunk":  # every run of adjacent chunks split into many reads
+        monkeypatch.setattr(fast_read, "READ_BYTES", 1)
     full = write_array(tmp_path, "x", entry, seed)
     manifest = Manifest(step=1, tensors={"x": entry})
     rng = random.Random(seed)

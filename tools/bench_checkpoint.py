@@ -354,7 +354,8 @@ def run_matrix(args: argparse.Namespace) -> None:
     chunking = chunk_policy(recipe)
     cache = GroupCache()
     figures: dict[str, float] = {}
-    for case, (save_spec, load_spec) in MATRIX.items():
+    for case in args.cases:
+        save_spec, load_spec = MATRIX[case]
         w.say(f"{case}: save under {save_spec} ...")
         base = Path(args.work) / case
         dirs = {"elastor": base / "elastor", "torch_dist": base / "torch_dist"}
@@ -526,15 +527,17 @@ def ratios(f: dict[str, float]) -> dict[str, float]:
 
     amplified = [c for c in reshards
                  if g(c, "torch_dist", "cold", "rchar") > 1.1 * f[f"{c}_bytes_needed"]]
+    if reshards:  # ``--cases`` may leave only R0
+        out.update(
+            reshard_speedup_warm_min=min(speedup(c, "warm") for c in reshards),
+            reshard_speedup_cold_amplified_min=min(speedup(c, "cold")
+                                                   for c in (amplified or reshards)))
     out.update(
         load_cpu_s_per_gb=max(g(c, "elastor", "warm", "cpu_s_sum") / f[f"{c}_bytes_needed"]
                               for c in cases) * 1e9,
         torch_dist_load_cpu_s_per_gb=max(
             g(c, "torch_dist", "warm", "cpu_s_sum") / f[f"{c}_bytes_needed"]
             for c in cases) * 1e9,
-        reshard_speedup_warm_min=min(speedup(c, "warm") for c in reshards),
-        reshard_speedup_cold_amplified_min=min(speedup(c, "cold")
-                                               for c in (amplified or reshards)),
         load_fraction_of_raw_read_cold_min=min(
             g(c, "raw", "cold", "wall_s") / g(c, "elastor", "cold", "wall_s") for c in cases),
         read_amplification_max=max(
@@ -592,6 +595,16 @@ def print_table(f: dict[str, float], out: str) -> None:
     print(f"\nfigures written to {out}")
 
 
+def _cases(text: str) -> list[str]:
+    cases = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in cases if c not in MATRIX]
+    if unknown or not cases:
+        raise argparse.ArgumentTypeError(
+            f"unknown case(s) {', '.join(unknown) or '(none given)'}; pick from "
+            f"{', '.join(MATRIX)}")
+    return cases
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default=None,
@@ -601,6 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", choices=sorted(MODELS), default="default")
     parser.add_argument("--phase", choices=["all", "save", "matrix"], default="all",
                         help="saves (4 ranks), the load matrix (8 ranks), or both")
+    parser.add_argument("--cases", type=_cases, default=list(MATRIX),
+                        help="comma-separated cases of the load matrix to run (default: "
+                             f"all of {','.join(MATRIX)})")
     parser.add_argument("--storage", choices=["local", "s3"], default="local",
                         help="local: the saves and the load matrix on --work; s3: save "
                              "and resharded load on local disk and on --s3-url, side by "
@@ -628,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_torchrun(nproc, "tools.bench_checkpoint",
                                   ["--ranks", phase, "--work", str(work / phase),
                                    "--out", part, "--scale", args.scale,
+                                   "--cases", ",".join(args.cases),
                                    "--s3-url", args.s3_url],
                                   env={"PYTHONPATH": str(ROOT)})
             if result.returncode:

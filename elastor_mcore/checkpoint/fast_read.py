@@ -44,8 +44,10 @@ ABSENT = 2**64 - 1
 """Index entry of a chunk that was never written: it reads as the fill value."""
 
 CRC_BYTES = 4
-BOUNCE_BYTES = 1 << 20
-"""Bounce buffer per file read: a few chunks, small enough to stay in cache."""
+READ_BYTES = 256 * 1024
+"""Bytes per ``preadv``, into a target or the bounce buffer: about one inner chunk, so
+crc32c checks the bytes from the core's cache right after they land (in one thread,
+warm: 0.28 CPU-s per GB, against 0.34 with runs of up to 64 MB checked afterwards)."""
 MAX_IOVECS = 512
 """Buffers per ``preadv`` (two per chunk in a run); well under Linux's IOV_MAX."""
 
@@ -242,13 +244,15 @@ def _read_index(fd: int, size: int, n: int, crc_bytes: int, path: Path) -> np.nd
 def _read_direct(fd: int, chunks: list[tuple[int, np.ndarray, tuple[_Axis, ...]]],
                  chunk_nbytes: int, crc_bytes: int, path: Path) -> int:
     """Chunks read straight into the target: runs adjacent in the file share one
-    ``preadv``; each is checked where it landed, while still in cache."""
+    ``preadv`` of up to ``READ_BYTES``; each is checked where it landed, while still in
+    cache."""
     chunks.sort(key=lambda c: c[0])
     stride = chunk_nbytes + crc_bytes
+    per_read = max(1, min(MAX_IOVECS // 2, READ_BYTES // stride))
     total, start = 0, 0
     while start < len(chunks):
         end = start + 1
-        while (end < len(chunks) and end - start < MAX_IOVECS // 2
+        while (end < len(chunks) and end - start < per_read
                and chunks[end][0] == chunks[end - 1][0] + stride):
             end += 1
         run = chunks[start:end]
@@ -275,14 +279,14 @@ def _read_direct(fd: int, chunks: list[tuple[int, np.ndarray, tuple[_Axis, ...]]
 def _read_bounced(fd: int, chunks: list[tuple[int, tuple[_Axis, ...]]], read: _FileRead,
                   dest: np.ndarray, chunk_nbytes: int, crc_bytes: int) -> int:
     """Chunks only partly inside the target, or not contiguous there: runs adjacent in
-    the file are read into a reused buffer of about ``BOUNCE_BYTES`` (one ``preadv``),
+    the file are read into a reused buffer of about ``READ_BYTES`` (one ``preadv``),
     each chunk checked, then its needed part copied (by numpy: one thread, where
     torch's intra-op threads would spin on a loaded host)."""
     if not chunks:
         return 0
     entry = read.entry
     stride = chunk_nbytes + crc_bytes
-    per_read = max(1, min(len(chunks), BOUNCE_BYTES // stride))
+    per_read = max(1, min(len(chunks), READ_BYTES // stride))
     buf = np.empty(per_read * stride, dtype=np.uint8)
     raw, address = memoryview(buf), buf.ctypes.data
     wholes = [buf[i * stride:i * stride + chunk_nbytes].view(dest.dtype).reshape(entry.chunks)

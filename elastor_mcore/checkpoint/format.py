@@ -283,22 +283,20 @@ class ChunkPolicy:
                 f"chunk_bytes={self.chunk_bytes}, file_bytes={self.file_bytes}")
 
 
-def _smallest_prime_factor(n: int) -> int:
-    for p in range(2, math.isqrt(n) + 1):
-        if n % p == 0:
-            return p
-    return n
-
-
 def _shrink(shape: list[int], unit: Sequence[int], itemsize: int, limit: int) -> list[int]:
-    """Divide the dim with the most units by its smallest factor until under ``limit``
-    bytes; every result still divides the input and stays a multiple of ``unit``."""
-    while math.prod(shape) * itemsize > limit:
-        ratios = [s // u for s, u in zip(shape, unit)]
-        dim = max(range(len(shape)), key=lambda d: (ratios[d], -d))
-        if ratios[dim] <= 1:
+    """The largest sub-shape under ``limit`` bytes that cuts leading dims first: each
+    result divides the input and stays a multiple of ``unit``. Leading dims first keeps
+    the trailing ones whole as long as the limit allows: a chunk of whole rows is
+    contiguous in a target that holds whole rows (a column-parallel or vocabulary
+    shard, any TP1 shard), so it is read straight into it, with no bounce buffer."""
+    for dim in range(len(shape)):
+        if math.prod(shape) * itemsize <= limit:
             break
-        shape[dim] //= _smallest_prime_factor(ratios[dim])
+        others = math.prod(shape) // shape[dim] * itemsize
+        ratio = shape[dim] // unit[dim]
+        factor = next((f for f in range(2, ratio + 1)
+                       if ratio % f == 0 and shape[dim] // f * others <= limit), ratio)
+        shape[dim] //= factor
     return shape
 
 
