@@ -166,6 +166,9 @@ def test_keep_last_k_and_latest(tmp_path):
     assert ck.latest_step(tmp_path) == 4
     assert (tmp_path / "latest").read_text().strip() == "step_00000004"
     assert ck.load(tmp_path, []).step == 4
+    ck.wait_for_pruning()  # pruned steps are deleted in the background
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step_00000003", "step_00000004"]
 
 
 def test_keep_must_be_positive(tmp_path):

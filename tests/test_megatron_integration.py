@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastor_mcore import checkpoint as ck
 from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.convert import hf_llama
 from elastor_mcore.config.recipe import load_recipe
@@ -254,6 +255,7 @@ def test_prune_keeps_the_newest_zarr_checkpoints(tmp_path):
     other = tmp_path / "iter_0000000"  # not an elastor checkpoint: left alone
     other.mkdir()
     megatron_dir.prune(tmp_path, 2, tmp_path / "iter_0000004")
+    ck.wait_for_pruning()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "iter_0000000", "iter_0000003", "iter_0000004"]
 

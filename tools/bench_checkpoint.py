@@ -7,12 +7,14 @@ the physical limits of this machine.
 The state is one Llama-shaped model (12 heads, 12 query groups: TP 1, 2, 3 and 4 all
 valid) with fp32 weights plus AdamW's two moments, filled with random values.
 
-1. saves (a 4-rank gloo world, TP2 x PP2): elastor synchronous; elastor asynchronous
-   (the blocking part, second save: buffers allocated, plan cached) and its time to
-   commit; torch_dist through ``dist_checkpointing.save`` with
-   ``FullyParallelSaveStrategyWrapper`` of the same ``sharded_state_dict()``; a raw
-   sequential write + fsync of the same bytes; a plain memcpy of each rank's state into
-   a reused buffer (the floor of the blocking part); file count and bytes on disk;
+1. saves (a 4-rank gloo world, TP2 x PP2), each the median of ``REPEATS``: elastor
+   synchronous (successive steps into one root with ``keep=1``, so each save after the
+   first also prunes one); elastor asynchronous (the blocking part of the saves after
+   the first: buffers allocated, plan cached) and its time to commit; torch_dist through
+   ``dist_checkpointing.save`` with ``FullyParallelSaveStrategyWrapper`` of the same
+   ``sharded_state_dict()``; a raw sequential write + fsync of the same bytes; a plain
+   memcpy of each rank's state into a reused buffer (the floor of the blocking part);
+   file count and bytes on disk;
 2. the recovery matrix (an 8-rank gloo world, ``MATRIX``): per case, save under one
    layout (elastor and torch_dist), load under another, each ``REPEATS`` times cold
    (the checkpoint's files evicted with ``posix_fadvise DONTNEED``; they are clean
@@ -195,6 +197,8 @@ def mcore_state_dict(runner) -> dict:
 
 def run_ranks(args: argparse.Namespace) -> None:
     """The saves, in one 4-rank world under TP2 x PP2."""
+    import statistics
+
     import torch
     import torch.distributed as dist
 
@@ -234,36 +238,13 @@ def run_ranks(args: argparse.Namespace) -> None:
     dist.barrier()
     w.say(f"state: {total / 1e9:.2f} GB in all, {mine / 1e6:.0f} MB on rank 0")
 
-    # -- saves
-    w.say("elastor synchronous save ...")
-    saved = {}
-    t, _ = w.timed(lambda: saved.setdefault("r", ck.save(
-        dirs["elastor_sync"], 1, shards, {"model": {}}, keep=1, chunking=chunking)))
-    figures["elastor_sync_save_s"] = t
-    written = saved["r"].plan.bytes_by_rank().get(dist.get_rank(), 0)
-
-    w.say("elastor asynchronous save (twice; the second is the steady state) ...")
-    manager = ck.CheckpointManager(dirs["elastor_async"], chunking=chunking,
-                                   policy=ck.SavePolicy(keep=1))
-    for step in (1, 2):
-        dist.barrier()
-        start = time.perf_counter()
-        block = manager.save(step, shards, {"model": {}}).block_s
-        manager.wait()
-        dist.barrier()
-        figures[f"elastor_async_block_s_save{step}"] = w.max(block)
-        figures[f"elastor_async_commit_s_save{step}"] = time.perf_counter() - start
-    figures["elastor_async_block_s"] = figures["elastor_async_block_s_save2"]
-
-    w.say("torch_dist save (fully parallel) ...")
+    # -- saves: REPEATS rounds of the three writes, each figure the median
+    w.say(f"saves, {REPEATS} rounds of: elastor synchronous (successive steps into one "
+          f"root, keep=1: from the second on, each also prunes the step before), torch_dist "
+          f"(fully parallel), a raw sequential write + fsync of the same bytes ...")
     sd = mcore_state_dict(runner)
     strategy = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1),
                                                 dist.group.WORLD)
-    t, _ = w.timed(lambda: dist_checkpointing.save(sd, str(dirs["torch_dist"]),
-                                                   sharded_strategy=strategy))
-    figures["torch_dist_save_s"] = t
-
-    w.say("raw sequential write + fsync of the same bytes ...")
     payload = torch.randint(0, 255, (BLOCK,), dtype=torch.uint8).numpy().tobytes()
     share = int(total) // dist.get_world_size()
 
@@ -276,7 +257,41 @@ def run_ranks(args: argparse.Namespace) -> None:
             os.fsync(f.fileno())
         os.unlink(path)
 
-    figures["raw_write_s"], _ = w.timed(raw_write)
+    saved: dict[str, ck.SaveResult] = {}
+    rows: dict[str, list[float]] = {"elastor_sync_save_s": [], "torch_dist_save_s": [],
+                                    "raw_write_s": []}
+    for i in range(1, REPEATS + 1):
+        rows["elastor_sync_save_s"].append(w.timed(lambda: saved.__setitem__("r", ck.save(
+            dirs["elastor_sync"], i, shards, {"model": {}}, keep=1, chunking=chunking)))[0])
+        ck.wait_for_pruning()  # in training it overlaps the next steps, not another save
+        if w.rank == 0:
+            (dirs["torch_dist"] / str(i)).mkdir()
+        rows["torch_dist_save_s"].append(w.timed(lambda: dist_checkpointing.save(
+            sd, str(dirs["torch_dist"] / str(i)), sharded_strategy=strategy))[0])
+        if w.rank == 0 and i > 1:  # one checkpoint on disk, as elastor keeps
+            shutil.rmtree(dirs["torch_dist"] / str(i - 1))
+        rows["raw_write_s"].append(w.timed(raw_write)[0])
+    for name, times in rows.items():
+        figures.update({f"{name}_{i}": t for i, t in enumerate(times, 1)})
+        figures[name] = statistics.median(times)
+    written = saved["r"].plan.bytes_by_rank().get(dist.get_rank(), 0)
+
+    w.say(f"elastor asynchronous save ({REPEATS + 1} steps; the first allocates the host "
+          f"buffers and plans) ...")
+    manager = ck.CheckpointManager(dirs["elastor_async"], chunking=chunking,
+                                   policy=ck.SavePolicy(keep=1))
+    for step in range(1, REPEATS + 2):
+        dist.barrier()
+        start = time.perf_counter()
+        block = manager.save(step, shards, {"model": {}}).block_s
+        manager.wait()
+        dist.barrier()
+        figures[f"elastor_async_block_s_save{step}"] = w.max(block)
+        figures[f"elastor_async_commit_s_save{step}"] = time.perf_counter() - start
+    manager.close()
+    for name in ("block", "commit"):
+        figures[f"elastor_async_{name}_s"] = statistics.median(
+            figures[f"elastor_async_{name}_s_save{step}"] for step in range(2, REPEATS + 2))
 
     w.say("memcpy of each rank's state into a reused buffer ...")
     flat = torch.empty(mine, dtype=torch.uint8)
@@ -290,15 +305,15 @@ def run_ranks(args: argparse.Namespace) -> None:
             offset += n
 
     memcpy()  # warm
-    figures["memcpy_s"], _ = w.timed(memcpy)
+    figures["memcpy_s"] = statistics.median(w.timed(memcpy)[0] for _ in range(REPEATS))
     figures["elastor_async_bytes_staged_max_rank"] = w.max(written)
     del flat
 
     if w.rank == 0:
-        step_dir = dirs["elastor_sync"] / "step_00000001"
+        step_dir = saved["r"].path
         figures["elastor_files"], figures["elastor_bytes_on_disk"] = disk_usage(step_dir)
         figures["torch_dist_files"], figures["torch_dist_bytes_on_disk"] = \
-            disk_usage(dirs["torch_dist"])
+            disk_usage(dirs["torch_dist"] / str(REPEATS))
         Path(args.out).write_text(json.dumps(figures, indent=1, sort_keys=True))
     dist.barrier()
     dist.destroy_process_group()
@@ -562,11 +577,12 @@ def print_table(f: dict[str, float], out: str) -> None:
 
         print(f"\nstate: {gb:.2f} GB on 4 ranks ({f['parameters'] / 1e6:.0f} M parameters, "
               f"fp32 weights + Adam moments), TP2 x PP2")
-        print("save")
-        row("elastor synchronous", f["elastor_sync_save_s"])
-        row("elastor async: blocking (2nd save)", f["elastor_async_block_s"],
+        print(f"save (median of {REPEATS})")
+        row("elastor synchronous", f["elastor_sync_save_s"],
+            note=f"first save {f['elastor_sync_save_s_1']:.3f} s")
+        row("elastor async: blocking", f["elastor_async_block_s"],
             note=f"first save {f['elastor_async_block_s_save1']:.3f} s")
-        row("elastor async: until committed", f["elastor_async_commit_s_save2"])
+        row("elastor async: until committed", f["elastor_async_commit_s"])
         row("torch_dist (fully parallel)", f["torch_dist_save_s"])
         row("raw write + fsync (physical limit)", f["raw_write_s"])
         row("memcpy of one rank's state (each rank)", f["memcpy_s"], f["state_bytes_max_rank"])

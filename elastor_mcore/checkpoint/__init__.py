@@ -18,7 +18,7 @@ _EXPORTS = {
     "manager": ("CheckpointManager", "SavePolicy", "SaveReport"),
     "reader": ("CheckpointReader", "TensorInfo", "load", "open"),
     "store": ("storage_bytes_read",),
-    "writer": ("SaveResult", "remove_stale", "save", "write_checkpoint"),
+    "writer": ("SaveResult", "remove_stale", "save", "wait_for_pruning", "write_checkpoint"),
 }
 """Public names by module. They are imported on first use: the format helpers
 (``CheckpointError``, ``latest_step``) need neither torch nor TensorStore, so the

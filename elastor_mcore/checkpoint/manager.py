@@ -29,7 +29,8 @@ from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
 from elastor_mcore.checkpoint.staging import HostStaging
 from elastor_mcore.geometry import ShardInfo
 from elastor_mcore.checkpoint.writer import (
-    check_step, open_tmp, point_latest, staging_dir, unit_sources, validate)
+    check_step, open_tmp, point_latest, staging_dir, unit_sources, validate,
+    wait_for_pruning)
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,9 @@ class CheckpointManager:
             self._settle(job, comm.all_gather(comm.describe(error), self.group))
 
     def close(self) -> None:
+        """Finish the save in flight and the deletion of pruned steps."""
         self.wait()
+        wait_for_pruning()
 
     def _start(self, step: int, shards: Sequence[LocalShard],
                manifest_extra: dict[str, Any] | None) -> BackgroundSave:
