@@ -24,13 +24,14 @@ from elastor_mcore.checkpoint import comm, writer
 from elastor_mcore.checkpoint.background import BackgroundSave, WriteJob, discard
 from elastor_mcore.checkpoint.format import (
     CheckpointError, ChunkPolicy, latest_step, step_dir_name)
+from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
 from elastor_mcore.checkpoint.staging import HostStaging
-from elastor_mcore.geometry import ShardInfo
 from elastor_mcore.checkpoint.writer import (
     check_step, open_tmp, point_latest, staging_dir, unit_sources, validate,
     wait_for_pruning)
+from elastor_mcore.geometry import ShardInfo
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,8 @@ class CheckpointManager:
             log.warning("skipping the save of step %d: the save of step %d is still being "
                         "written (when_busy='skip')", step, self._job.job.step)
             return SaveReport(step, time.perf_counter() - start, skipped=True)
-        self._job = self._start(step, shards, manifest_extra)
+        with gc_paused():
+            self._job = self._start(step, shards, manifest_extra)
         return SaveReport(step, time.perf_counter() - start)
 
     def wait(self) -> None:

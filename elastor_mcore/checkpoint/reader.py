@@ -24,6 +24,7 @@ import torch
 from elastor_mcore.checkpoint import comm, fast_read
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
+from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.plan import LocalShard, WriteUnit, assign_writers
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
@@ -78,6 +79,11 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
     several ranks need (data-parallel replicas, TP replicas of norms) are read from
     storage by one of them and sent to those on other hosts (``SharedReads``).
     """
+    with gc_paused():
+        return _load(path_or_root, targets, group)
+
+
+def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group) -> Manifest:
     error, step_dir = None, None
     if comm.is_coordinator(group):
         try:

@@ -34,6 +34,7 @@ from elastor_mcore.checkpoint import comm, fast_write
 from elastor_mcore.checkpoint.format import (
     FORMAT_VERSION, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, ChunkPolicy, Manifest,
     TensorEntry, committed_steps, parse_step, step_dir_name, tmp_name)
+from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, WriteUnit, build_plan
 from elastor_mcore.checkpoint.store import IO_CONCURRENCY, numpy_view, open_arrays, wait_all
@@ -76,6 +77,15 @@ def write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalS
                      on_commit: Callable[[], None] | None = None) -> SaveResult:
     """Save into exactly ``path`` (atomically replacing it), without a ``latest``
     pointer: the form Megatron-LM's own ``iter_N`` directories need."""
+    with gc_paused():
+        return _write_checkpoint(path, step, shards, manifest_extra, group, chunking,
+                                 clean_root, on_commit)
+
+
+def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalShard],
+                      manifest_extra: dict[str, Any] | None, group,
+                      chunking: ChunkPolicy | None, clean_root: bool,
+                      on_commit: Callable[[], None] | None) -> SaveResult:
     path = as_path(path)
     tmp = staging_dir(path, "")
     coordinator = comm.is_coordinator(group)
