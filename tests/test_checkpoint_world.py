@@ -7,6 +7,7 @@ quarters held twice each, load as halves / 3-way uneven / whole, save from a sub
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ from tests.conftest import run_world
 def world(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt_world")
     run_world(4, "tests.workers.checkpoint_world", ["--out", str(out)], timeout=240)
-    return json.loads((out / "result.json").read_text())
+    return {**json.loads((out / "result.json").read_text()), "root": str(out)}
 
 
 PASSES = ("one host", "a host per rank")
@@ -40,6 +41,28 @@ def test_resharded_load_is_bit_exact(world, layout):
     for report in world["ranks"]:
         for hosts in set(PASSES) & set(report):
             assert report[hosts][layout]["mismatches"] == [], (report["rank"], hosts)
+
+
+@pytest.mark.timeout(300)
+def test_every_array_has_zarr_metadata_whoever_wrote_it(world):
+    """The ranks create the metadata of the arrays whose first file they write: plain
+    TensorStore (reading each ``zarr.json``, not the manifest) opens every array."""
+    import tensorstore as ts
+
+    from elastor_mcore import checkpoint as ck
+    from elastor_mcore.checkpoint import writer
+    from elastor_mcore.geometry import Box
+
+    step = Path(world["root"]) / "world" / "step_00000003"
+    units = [ck.WriteUnit(key, Box(tuple(offset), tuple(shape)), tuple(holders), 0, writer)
+             for key, offset, shape, holders, writer in world["units"]]
+    creators = set(writer.metadata_creators(ck.WritePlan({}, units)).values())
+    assert len(creators) > 1, "every array's metadata came from one rank: nothing tested"
+    for info in ck.open(step).tensors():
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(step / info.name)}}
+        array = ts.open(spec, open=True).result()
+        assert (tuple(array.shape), array.dtype.name) == (info.shape, info.dtype), info.name
+        assert tuple(array.chunk_layout.read_chunk.shape) == info.chunks, info.name
 
 
 @pytest.mark.timeout(300)
