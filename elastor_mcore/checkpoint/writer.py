@@ -2,10 +2,10 @@
 
 Order of a synchronous save (each arrow is one ``agree``, so a failure anywhere stops
 every rank): validate -> gather shard boxes, plan -> rank 0 creates ``.tmp_<name>/``
--> every rank writes its units while rank 0 also writes the array metadata
-(TensorStore fsyncs each file) -> rank 0 writes ``manifest.json`` last, renames the
-directory into place, moves ``latest`` and prunes old steps -> return. A crash at any
-point leaves the previous steps loadable.
+-> every rank writes its units and its share of the array metadata (each file
+fsynced) -> rank 0 writes ``manifest.json`` last, renames the directory into place,
+moves ``latest`` and prunes old steps (renamed away at once, deleted on a background
+thread) -> return. A crash at any point leaves the previous steps loadable.
 
 On object storage (``s3://``, ``gs://``: no rename, no ``fsync``) the step is written
 in place: ``step_<N>/`` is first cleared (its manifest first), the data and the
