@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -246,16 +246,9 @@ def _read_direct(fd: int, chunks: list[tuple[int, np.ndarray, tuple[_Axis, ...]]
     """Chunks read straight into the target: runs adjacent in the file share one
     ``preadv`` of up to ``READ_BYTES``; each is checked where it landed, while still in
     cache."""
-    chunks.sort(key=lambda c: c[0])
     stride = chunk_nbytes + crc_bytes
-    per_read = max(1, min(MAX_IOVECS // 2, READ_BYTES // stride))
-    total, start = 0, 0
-    while start < len(chunks):
-        end = start + 1
-        while (end < len(chunks) and end - start < per_read
-               and chunks[end][0] == chunks[end - 1][0] + stride):
-            end += 1
-        run = chunks[start:end]
+    total = 0
+    for run in _runs(chunks, stride, max(1, min(MAX_IOVECS // 2, READ_BYTES // stride))):
         crcs = np.empty((len(run), crc_bytes), dtype=np.uint8)
         buffers: list[np.ndarray] = []
         for i, (_, view, _) in enumerate(run):
@@ -272,7 +265,6 @@ def _read_direct(fd: int, chunks: list[tuple[int, np.ndarray, tuple[_Axis, ...]]
                 if crc32c(view.ctypes.data, chunk_nbytes) != crc:
                     raise _Corrupt(path, f"checksum mismatch of chunk {_where(chunk)}")
         total += want
-        start = end
     return total
 
 
@@ -291,26 +283,35 @@ def _read_bounced(fd: int, chunks: list[tuple[int, tuple[_Axis, ...]]], read: _F
     raw, address = memoryview(buf), buf.ctypes.data
     wholes = [buf[i * stride:i * stride + chunk_nbytes].view(dest.dtype).reshape(entry.chunks)
               for i in range(per_read)]
-    chunks.sort(key=lambda c: c[0])
-    total, start = 0, 0
-    while start < len(chunks):
-        end = start + 1
-        while (end < len(chunks) and end - start < per_read
-               and chunks[end][0] == chunks[end - 1][0] + stride):
-            end += 1
-        want = (end - start) * stride
-        got = os.preadv(fd, [raw[:want]], chunks[start][0])
+    total = 0
+    for run in _runs(chunks, stride, per_read):
+        want = len(run) * stride
+        got = os.preadv(fd, [raw[:want]], run[0][0])
         if got != want:
             raise _Corrupt(read.path, f"short read ({got} of {want} bytes)")
-        for i, (_, chunk) in enumerate(chunks[start:end]):
+        for i, (_, chunk) in enumerate(run):
             at = i * stride
             if crc_bytes and crc32c(address + at, chunk_nbytes) != int.from_bytes(
                     raw[at + chunk_nbytes:at + stride], "little"):
                 raise _Corrupt(read.path, f"checksum mismatch of chunk {_where(chunk)}")
             dest[tuple(a.dest for a in chunk)] = wholes[i][tuple(a.source for a in chunk)]
         total += want
-        start = end
     return total
+
+
+def _runs(chunks: list, stride: int, most: int) -> Iterator[list]:
+    """``chunks`` (tuples whose first item is the chunk's file offset) sorted by offset
+    and cut into runs adjacent in the file, of at most ``most`` chunks: one ``preadv``
+    each."""
+    chunks.sort(key=lambda c: c[0])
+    start = 0
+    while start < len(chunks):
+        end = start + 1
+        while (end < len(chunks) and end - start < most
+               and chunks[end][0] == chunks[end - 1][0] + stride):
+            end += 1
+        yield chunks[start:end]
+        start = end
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
