@@ -48,6 +48,24 @@ def assemble_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return full
 
 
+def case_metrics(world: Path, name: str) -> list[dict]:
+    """The per-step metrics of one ``train_matrix`` case (``<world>/<name>/metrics.json``)."""
+    return json.loads((world / name / "metrics.json").read_text())
+
+
+def global_state(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Global tensors rebuilt from shard dumps (``train_matrix.dump_shards``); every
+    element must be covered."""
+    full: dict[str, torch.Tensor] = {}
+    for f in files:
+        for key, shape, offset, tensor in torch.load(f):
+            full.setdefault(key, torch.full(shape, float("nan"), dtype=tensor.dtype))
+            full[key][tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))] = tensor
+    for key, tensor in full.items():
+        assert not tensor.isnan().any(), f"{key}: not every element was dumped"
+    return full
+
+
 LAYOUTS = REPO / "tests" / "layouts"
 
 

@@ -30,7 +30,8 @@ from elastor_mcore.config.yaml_file import read_yaml_file
 from elastor_mcore.geometry import Box, Cell
 from elastor_mcore.runtime.distributed_optimizer import row_cuts, shard_buckets
 from elastor_mcore.runtime.optimizer import lr_scheduler
-from tests.conftest import TINY, layout_arg, max_relative_difference, write_tiny_recipe
+from tests.conftest import (
+    TINY, case_metrics, global_state, layout_arg, max_relative_difference, write_tiny_recipe)
 from tests.train_world import TIMEOUT, TrainWorldPart
 
 SCHEDULE = {"lr_decay_style": "cosine", "lr_warmup_iters": 2, "lr_decay_iters": 8,
@@ -74,23 +75,6 @@ def world(train_world) -> Path:
     return train_world[__name__]
 
 
-def metrics(world: Path, name: str) -> list[dict]:
-    return json.loads((world / name / "metrics.json").read_text())
-
-
-def global_state(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Global tensors rebuilt from shard dumps (``train_matrix.dump_shards``); every
-    element must be covered."""
-    full: dict[str, torch.Tensor] = {}
-    for f in files:
-        for key, shape, offset, tensor in torch.load(f):
-            full.setdefault(key, torch.full(shape, float("nan"), dtype=tensor.dtype))
-            full[key][tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))] = tensor
-    for key, tensor in full.items():
-        assert not tensor.isnan().any(), f"{key}: not every element was dumped"
-    return full
-
-
 def rank_weights(world: Path, name: str) -> dict[str, list]:
     """Every rank's model shards after training, by key."""
     shards: dict[str, list] = {}
@@ -104,7 +88,7 @@ def rank_weights(world: Path, name: str) -> dict[str, list]:
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_losses_and_weights_are_bit_identical_with_and_without_zero1(world, name):
-    plain, zero = metrics(world, f"{name}-False"), metrics(world, f"{name}-True")
+    plain, zero = case_metrics(world, f"{name}-False"), case_metrics(world, f"{name}-True")
     assert len(plain) == STEPS
     assert all(m["grad_norm"] > CLIP for m in plain)  # the clip ran every step
     assert [m["loss"] for m in zero] == [m["loss"] for m in plain]
@@ -154,7 +138,7 @@ def test_resume_across_sharding_and_layouts_is_bit_exact(world, case, saved):
     for key, tensor in loaded.items():
         assert tensor.dtype == torch.float32
         assert torch.equal(tensor, stored.read(key)), key
-    resumed = metrics(world, case)
+    resumed = case_metrics(world, case)
     assert [m["step"] for m in resumed] == list(range(STEPS + 1, RESUMED_STEPS + 1))
     assert [m["lr"] for m in resumed] == scheduled_lrs()[STEPS:RESUMED_STEPS]
 
@@ -164,8 +148,8 @@ def test_resume_across_sharding_and_layouts_is_bit_exact(world, case, saved):
 def test_both_resumes_continue_the_same_run(world):
     """Both continue the same run (saved under two layouts, so bf16 noise apart),
     under other layouts and sharding: the same losses within bf16's tolerance."""
-    a = [m["loss"] for m in metrics(world, "zero-to-plain")]
-    b = [m["loss"] for m in metrics(world, "plain-to-zero")]
+    a = [m["loss"] for m in case_metrics(world, "zero-to-plain")]
+    b = [m["loss"] for m in case_metrics(world, "plain-to-zero")]
     diff = max_relative_difference(a, b)
     print(f"resumed losses within {diff:.1e} (bf16 tolerance {BF16_TOLERANCE:.0e})")
     assert diff <= BF16_TOLERANCE

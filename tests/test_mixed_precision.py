@@ -14,7 +14,6 @@ with a warm-up + cosine schedule:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ from elastor_mcore import checkpoint
 from elastor_mcore.config.recipe import RecipeError, recipe_from_dict
 from elastor_mcore.config.yaml_file import read_yaml_file
 from elastor_mcore.runtime.optimizer import StageOptimizer
-from tests.conftest import TINY, layout_arg, max_relative_difference, write_tiny_recipe
+from tests.conftest import (
+    TINY, case_metrics, global_state, layout_arg, max_relative_difference, write_tiny_recipe)
 from tests.train_world import TIMEOUT, TrainWorldPart
 
 SCHEDULE = {"lr_decay_style": "cosine", "lr_warmup_iters": 2, "lr_decay_iters": 8,
@@ -71,24 +71,10 @@ def world(train_world) -> Path:
     return train_world[__name__]
 
 
-def metrics(world: Path, name: str) -> list[dict]:
-    return json.loads((world / name / "metrics.json").read_text())
-
-
-def global_state(files: list[Path]) -> dict[str, torch.Tensor]:
-    """Global tensors rebuilt from shard dumps (``train_matrix.dump_shards``)."""
-    full: dict[str, torch.Tensor] = {}
-    for f in files:
-        for key, shape, offset, tensor in torch.load(f):
-            full.setdefault(key, torch.full(shape, float("nan"), dtype=tensor.dtype))
-            full[key][tuple(slice(o, o + n) for o, n in zip(offset, tensor.shape))] = tensor
-    return full
-
-
 @pytest.mark.timeout(TIMEOUT)
 def test_lr_continues_exactly_across_a_resume_under_another_layout(world):
-    reference = metrics(world, "lr-reference")
-    resumed = metrics(world, "lr-first") + metrics(world, "lr-second")
+    reference = case_metrics(world, "lr-reference")
+    resumed = case_metrics(world, "lr-first") + case_metrics(world, "lr-second")
     assert [m["step"] for m in resumed] == list(range(1, LR_STEPS + 1))
     assert [m["lr"] for m in resumed] == [m["lr"] for m in reference]
     assert reference[0]["lr"] == 0.0 and reference[2]["lr"] == 3e-4  # warm-up from 0
@@ -100,9 +86,9 @@ def test_lr_continues_exactly_across_a_resume_under_another_layout(world):
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("name", BF16_HETERO)
 def test_bf16_heterogeneous_layout_matches_uniform(world, name):
-    uniform = [m["loss"] for m in metrics(world, f"bf16-{BF16_UNIFORM[0]}")]
-    other = [m["loss"] for m in metrics(world, f"bf16-{BF16_UNIFORM[1]}")]
-    losses = [m["loss"] for m in metrics(world, f"bf16-{name}")]
+    uniform = [m["loss"] for m in case_metrics(world, f"bf16-{BF16_UNIFORM[0]}")]
+    other = [m["loss"] for m in case_metrics(world, f"bf16-{BF16_UNIFORM[1]}")]
+    losses = [m["loss"] for m in case_metrics(world, f"bf16-{name}")]
     floor = max_relative_difference(other, uniform)
     diff = max_relative_difference(losses, uniform)
     print(f"bf16 {name}: {diff:.2e} from uniform (noise floor {floor:.2e}, "
@@ -110,7 +96,7 @@ def test_bf16_heterogeneous_layout_matches_uniform(world, name):
     assert len(losses) == STEPS
     assert floor <= BF16_TOLERANCE
     assert diff <= BF16_TOLERANCE
-    fp32 = [m["loss"] for m in metrics(world, "lr-reference")][:STEPS]
+    fp32 = [m["loss"] for m in case_metrics(world, "lr-reference")][:STEPS]
     assert losses != fp32  # bf16 arithmetic really ran
 
 
@@ -130,15 +116,15 @@ def test_other_precision_resumes_the_fp32_state_bit_exact(world, case, saved):
 
 @pytest.mark.timeout(TIMEOUT)
 def test_resumes_across_precisions_continue_the_run(world):
-    reference = metrics(world, "lr-reference")
-    fp32_to_bf16 = metrics(world, "fp32-to-bf16")
+    reference = case_metrics(world, "lr-reference")
+    fp32_to_bf16 = case_metrics(world, "fp32-to-bf16")
     assert [m["lr"] for m in fp32_to_bf16] == [m["lr"] for m in reference[LR_RESUME_AT:
                                                                             LR_RESUME_AT + 2]]
     assert max_relative_difference([m["loss"] for m in fp32_to_bf16],
                                    [m["loss"] for m in reference[LR_RESUME_AT:
                                                                  LR_RESUME_AT + 2]]) \
         <= BF16_TOLERANCE
-    bf16_to_fp32 = metrics(world, "bf16-to-fp32")
+    bf16_to_fp32 = case_metrics(world, "bf16-to-fp32")
     assert [m["step"] for m in bf16_to_fp32] == [STEPS + 1, STEPS + 2]
     assert [m["lr"] for m in bf16_to_fp32] == [m["lr"] for m in reference[STEPS:STEPS + 2]]
 
