@@ -5,7 +5,15 @@ setup(
     version="0.1.0",
     description="Heterogeneous layouts, partition-agnostic zarr checkpoints and automatic "
                 "recovery for Megatron-Core training",
-    packages=find_packages(include=["elastor_mcore", "elastor_mcore.*"]),
+    license="Apache-2.0",
+    license_files=["LICENSE"],
+    # The recipes, hardware profiles and layouts stay at the top of the repository and
+    # ship inside the package as elastor_mcore/recipes/ (config/shipped.py finds them in
+    # either place), so `elastor demo` and `--recipe llama3-8b` work from a wheel.
+    packages=find_packages(include=["elastor_mcore", "elastor_mcore.*"])
+    + ["elastor_mcore.recipes"],
+    package_dir={"elastor_mcore.recipes": "recipes"},
+    package_data={"elastor_mcore.recipes": ["*.yaml", "hardware/*.yaml", "layouts/*.yaml"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",

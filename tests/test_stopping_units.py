@@ -27,8 +27,12 @@ def test_same_job_retakes_its_lease(tmp_path):
     first.acquire()
     second = CheckpointLease(tmp_path, "job-a")  # e.g. the supervisor's next launch
     second.acquire()
+    assert second.read().job_id == "job-a"
+    with pytest.raises(LeaseError):  # still held against other jobs
+        CheckpointLease(tmp_path, "job-b").acquire()
     second.release()
     first.release()
+    assert not (tmp_path / LEASE_FILE).exists()
 
 
 def test_lease_of_a_dead_process_is_taken_over(tmp_path, caplog):

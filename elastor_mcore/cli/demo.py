@@ -25,6 +25,7 @@ from elastor_mcore.cli.stopping import report_stop, stopped_by
 from elastor_mcore.config.failure_plan import Failure, FailurePlanError
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.config.run import DataConfig, RunSettings
+from elastor_mcore.config.shipped import shipped_path
 from elastor_mcore.data.errors import DataError
 from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.report import memory_of, read_metrics, write_report
@@ -34,10 +35,9 @@ from elastor_mcore.elastic.torchrun import run_torchrun
 from elastor_mcore.planner import HardwareError, HardwareProfile, load_hardware, plan
 from elastor_mcore.planner.cost_model import GIB
 
-REPO = Path(__file__).resolve().parents[2]
 PREFIX = "elastor demo"
 TOLERANCE = 1e-5
-DEFAULT_HARDWARE = REPO / "recipes" / "hardware" / "cpu-slots-2.25mib.yaml"
+DEFAULT_HARDWARE = shipped_path("hardware profile", "cpu-slots-2.25mib")
 REFERENCE_LAYOUT = "dp2-tp1-pp1"
 """Losses do not depend on the layout; two plain data-parallel ranks use both cores of a
 small machine (each rank runs one BLAS thread) and halve the reference's time."""
@@ -58,7 +58,7 @@ def register(subparsers) -> None:
                     "and write report.md, loss.png and timeline.json.")
     parser.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     RunSettings.add_arguments(parser, "demo", {
-        "recipe": {"default": str(REPO / "recipes" / "tiny-llama.yaml")},
+        "recipe": {"default": "tiny-llama"},
         "steps": {"default": 40, "help": "optimizer steps to run (default 40)"},
         "save_interval": {"default": 5, "help": "save every K steps (default 5)"}})
     parser.add_argument("--hardware", default=str(DEFAULT_HARDWARE),

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 from elastor_mcore.config.recipe import RecipeError, load_recipe
+from elastor_mcore.config.shipped import shipped_path
 from elastor_mcore.planner import HardwareError, load_hardware, write_hardware
 from elastor_mcore.planner.calibration import DEFAULT_MAX_SPREAD, DEFAULT_REPEATS
 
-REPO = Path(__file__).resolve().parents[2]
-CPU_BASE = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
+CPU_BASE = shipped_path("hardware profile", "cpu-slots")
 PREFIX = "elastor profile"
 
 

@@ -13,6 +13,7 @@ from functools import reduce
 from pathlib import Path
 from typing import Any
 
+from elastor_mcore.config.shipped import find_input
 from elastor_mcore.config.yaml_file import read_yaml_file
 
 
@@ -326,6 +327,8 @@ def recipe_from_dict(data: dict[str, Any], name: str = "recipe") -> Recipe:
 
 
 def load_recipe(path: str | Path) -> Recipe:
-    """Read a recipe YAML file; errors name the file and the field."""
-    data = read_yaml_file(path, "recipe file", RecipeError)
-    return recipe_from_dict(data, name=Path(path).stem)
+    """Read a recipe YAML file, or the shipped recipe of that name (``llama3-8b``);
+    errors name the file and the field."""
+    path = find_input(path, "recipe")
+    data = read_yaml_file(path, "recipe file", RecipeError, shipped_kind="recipe")
+    return recipe_from_dict(data, name=path.stem)

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Sequence
 import yaml
 
 from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.config.shipped import find_input, shipped
 from elastor_mcore.config.yaml_file import read_yaml_file
 
 
@@ -285,10 +286,11 @@ def load_layout(spec: str | Path, recipe: Recipe) -> Layout:
                 raise LayoutError(f"layout shorthand {spec}: {name} must be positive")
         layout = uniform_layout(dp, tp, pp, recipe)
     else:
-        if not Path(spec).is_file():
+        path = find_input(spec, "layout")
+        if not path.is_file():
             raise LayoutError(
-                f"layout {spec!s} is neither a shorthand like dp2-tp2-pp2 nor an existing "
-                f"YAML file")
-        layout = layout_from_dict(read_yaml_file(spec, "layout file", LayoutError))
+                f"layout {spec!s} is neither a shorthand like dp2-tp2-pp2, an existing YAML "
+                f"file, nor a shipped layout ({', '.join(shipped('layout')) or 'none'})")
+        layout = layout_from_dict(read_yaml_file(path, "layout file", LayoutError))
     layout.validate(recipe)
     return layout

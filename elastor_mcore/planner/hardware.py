@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.config.shipped import find_input
 from elastor_mcore.config.yaml_file import read_yaml_file
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,9 @@ def write_hardware(profile: HardwareProfile, path: str | Path, header: str = "")
 
 
 def load_hardware(path: str | Path) -> HardwareProfile:
-    """Read a hardware profile YAML file; errors name the file and the field."""
-    data = read_yaml_file(path, "hardware profile", HardwareError)
-    return hardware_from_dict(data, name=Path(path).stem)
+    """Read a hardware profile YAML file, or the shipped profile of that name
+    (``h100-80gb``); errors name the file and the field."""
+    path = find_input(path, "hardware profile")
+    data = read_yaml_file(path, "hardware profile", HardwareError,
+                          shipped_kind="hardware profile")
+    return hardware_from_dict(data, name=path.stem)

@@ -40,13 +40,13 @@ from elastor_mcore.runtime.model import build_stage_model, initialize_weights
 from elastor_mcore.runtime.optimizer import StageOptimizer
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.config.shipped import shipped_path
 from elastor_mcore.runtime.rank_hooks import RankHooks
 from elastor_mcore.runtime.schedule import run_1f1b
 
 log = logging.getLogger(__name__)
 
-CPU_PROFILE = Path(__file__).resolve().parents[2] / "recipes" / "hardware" / \
-    "cpu-slots-measured.yaml"
+CPU_PROFILE = shipped_path("hardware profile", "cpu-slots-measured")
 """The default profile of CPU runs' predicted step time (``elastor profile`` of the
 tiny recipe; other recipes get its links and core sharing with analytic layers)."""
 
