@@ -27,7 +27,7 @@ from elastor_mcore.checkpoint.format import (
 from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
 from elastor_mcore.checkpoint.staging import HostStaging
-from elastor_mcore.checkpoint.storage import as_path, storage_for
+from elastor_mcore.checkpoint.storage import as_path, retrying, storage_for
 from elastor_mcore.checkpoint.writer import (
     check_step, open_tmp, point_latest, unit_sources, validate, wait_for_pruning)
 from elastor_mcore.geometry import ShardInfo
@@ -233,7 +233,7 @@ class CheckpointManager:
     def _failed(self, exc: CheckpointError, step: int) -> None:
         """Apply ``on_error`` to a failed save, with the error every rank agreed on."""
         try:
-            previous = latest_step(self.root)
+            previous = retrying(lambda: latest_step(self.root), f"listing {self.root}")
             kept = (f"the previous checkpoint (step {previous}) is intact"
                     if previous is not None else "no earlier checkpoint exists")
         except Exception as listing:  # a failing store: say so rather than fail here
