@@ -34,8 +34,6 @@ def fsync_dir(path: Path) -> None:
 
 class FileStorage(Storage):
     local_files = True
-    writes_in_place = False
-    poll_s = 0.01
 
     def location(self, where: str) -> Path:
         return Path(where)

@@ -227,7 +227,6 @@ def object_context():
 
 
 class ObjectStorage(Storage):
-    local_files = False
     writes_in_place = True
     poll_s = 0.1
     """Marker polls cost requests: ten a second."""
