@@ -9,12 +9,15 @@ or cuts short a seeded share of its requests.
   loads.
 * Loads retry transient errors and return the right bytes; a permanent error (or
   one that outlasts the retries) names the object and the fix.
+* On 2 ranks (``tests/workers/checkpoint_faults.py``), where the writers' markers and
+  the committer's wait meet faults too, both ranks report the same failed saves.
 
 Each case prints its figures: requests, failed requests, saves lost, steps lost.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -23,9 +26,10 @@ import torch
 from elastor_mcore import checkpoint as ck
 from elastor_mcore.checkpoint import storage
 from elastor_mcore.checkpoint.format import step_dir_name
-from tests.conftest import REPO
+from tests.conftest import REPO, run_world
 from tests.faulty_storage import Faults, FaultyStorage
 from tests.s3_server import s3_environment
+from tests.workers.checkpoint_faults import STEPS as STEPS_2
 
 BUCKET = "elastor-faults"
 STEPS = 16
@@ -203,3 +207,24 @@ def test_a_permanent_load_error_names_the_object_and_the_fix(faulty):
     print(f"transient, every time: {message}")
     assert f"{root}/{step_dir_name(1)}" in message
     assert f"failed {storage.READ_ATTEMPTS} times" in message and "check its health" in message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ranks_agree_on_every_failed_save_and_commit_only_whole_steps(tmp_path):
+    """2 ranks, faults on both (their markers and the committer's wait included):
+    every failed save is reported on both ranks, both train to the end, and every
+    committed step holds both ranks' halves exactly."""
+    run_world(2, "tests.workers.checkpoint_faults", ["--out", str(tmp_path), "--share", "0.05"])
+    ranks = [json.loads((tmp_path / f"result.rank{r}.json").read_text()) for r in range(2)]
+    reported = [r["reported"] for r in ranks]
+    exact = {int(step): ok for step, ok in ranks[0]["exact"].items()}
+    failed = [int(re.search(r"Step (\d+) was not saved", m).group(1)) for m in reported[0]]
+    print(f"\n2 ranks: {sum(r['requests'] for r in ranks)} requests, "
+          f"{sum(sum(r['failed'].values()) for r in ranks)} failed "
+          f"{[r['failed'] for r in ranks]}; {STEPS_2} saves, {len(failed)} reported failed, "
+          f"committed {sorted(exact)}; steps lost at the end: {STEPS_2 - ranks[0]['latest']}")
+    assert [r["last_step"] for r in ranks] == [STEPS_2, STEPS_2]
+    assert reported[0] == reported[1] and failed
+    assert exact and all(exact.values())
+    assert set(range(1, STEPS_2 + 1)) == set(exact) | set(failed)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from elastor_mcore.checkpoint.format import CheckpointError, parse_step
 from elastor_mcore.checkpoint.plan import WritePlan
-from elastor_mcore.checkpoint.storage import MANIFEST, Location, storage_for
+from elastor_mcore.checkpoint.storage import MANIFEST, Location, is_transient, storage_for
 from elastor_mcore.checkpoint.writer import Sources, commit, remove_stale, write_share
 
 log = logging.getLogger(__name__)
@@ -128,18 +128,20 @@ def _mark_failed(tmp: Location, rank: int, exc: BaseException) -> None:
 
 def wait_for_markers(tmp: Location, ranks: list[int], timeout_s: float) -> None:
     """Until every rank in ``ranks`` has written ``done.rank<N>``; raise at the first
-    ``failed.rank<N>`` or when ``timeout_s`` passes."""
+    ``failed.rank<N>`` or when ``timeout_s`` passes. A poll that meets a transient
+    storage error is repeated at the next poll."""
     pending = set(ranks)
     deadline = time.monotonic() + timeout_s
     while pending:
         for rank in sorted(pending):
-            failed = failed_marker(tmp, rank)
-            if failed.is_file():
-                message = failed.read_text(errors="replace") or "(no message: disk full?)"
-                raise CheckpointError(f"rank {rank} failed to write its part of {tmp}: "
-                                      f"{message}")
-            if done_marker(tmp, rank).is_file():
-                pending.discard(rank)
+            try:
+                if _reported(tmp, rank):
+                    pending.discard(rank)
+            except Exception as exc:  # classified: only a transient error is polled again
+                if not is_transient(exc):
+                    raise
+                log.info("polling the marker of rank %d in %s failed (%s); polling again",
+                         rank, tmp, exc)
         if not pending:
             return
         if time.monotonic() > deadline:
@@ -148,6 +150,15 @@ def wait_for_markers(tmp: Location, ranks: list[int], timeout_s: float) -> None:
                 f"{timeout_s:.0f}s; the step is not committed. Check those ranks' logs, or "
                 f"raise SavePolicy.commit_timeout_floor_s for slow storage")
         time.sleep(storage_for(tmp).poll_s)
+
+
+def _reported(tmp: Location, rank: int) -> bool:
+    """Whether ``rank`` is done; ``CheckpointError`` with its message if it failed."""
+    failed = failed_marker(tmp, rank)
+    if failed.is_file():
+        message = failed.read_text(errors="replace") or "(no message: disk full?)"
+        raise CheckpointError(f"rank {rank} failed to write its part of {tmp}: {message}")
+    return done_marker(tmp, rank).is_file()
 
 
 def discard(tmp: Location) -> None:
