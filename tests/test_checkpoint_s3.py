@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from elastor_mcore import checkpoint as ck
-from elastor_mcore.checkpoint.location import ObjectPath
+from elastor_mcore.checkpoint.storage.object_store import ObjectPath
 from elastor_mcore.cli import main as cli_main
 from elastor_mcore.convert.torch_dist import is_torch_dist
 from tests.checkpoint_checks import MAX_READ_AMPLIFICATION, amplification
@@ -181,7 +181,7 @@ def test_resume_on_another_layout_cleans_the_partial_step(trained):
 def cli(capsys, *args: str) -> tuple[int, str, str]:
     """``elastor ARGS`` run in this process (the CLI's own ``main``): its exit code,
     stdout and stderr. Not for wrong credentials: a process keeps its bucket's
-    kvstore (``checkpoint.location``), so those tests start a new interpreter."""
+    kvstore (``checkpoint.storage.object_store``), so those tests start a new interpreter."""
     capsys.readouterr()
     code = cli_main(list(args))
     out, err = capsys.readouterr()

@@ -19,7 +19,7 @@ import yaml
 
 from elastor_mcore import checkpoint
 from elastor_mcore.checkpoint.format import step_dir_name
-from elastor_mcore.checkpoint.location import ObjectPath
+from elastor_mcore.checkpoint.storage.object_store import ObjectPath
 from elastor_mcore.elastic.report import read_metrics
 from tests.conftest import REPO, TINY
 from tests.s3_server import s3_environment

@@ -26,7 +26,7 @@ import pytest
 
 from elastor_mcore import checkpoint
 from elastor_mcore.checkpoint import megatron_dir
-from elastor_mcore.checkpoint.location import ObjectPath
+from elastor_mcore.checkpoint.storage.object_store import ObjectPath
 from tests.conftest import REPO, max_relative_difference
 from tests.pretrain_gpt_run import CPU_SHIMS, RUN_ENV, default_args, run_pretrain_gpt
 from tests.s3_server import s3_environment

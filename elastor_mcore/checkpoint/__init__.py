@@ -12,7 +12,8 @@ from typing import Any
 
 _EXPORTS = {
     "adapter": ("load_sharded_state_dict", "save_sharded_state_dict"),
-    "format": ("FORMAT_VERSION", "CheckpointError", "ChunkPolicy", "Manifest", "TensorEntry",
+    "errors": ("CheckpointError",),
+    "format": ("FORMAT_VERSION", "ChunkPolicy", "Manifest", "TensorEntry",
                "check_compatible", "committed_steps", "latest_step"),
     "plan": ("LocalShard", "WritePlan", "WriteUnit", "assign_writers"),
     "manager": ("CheckpointManager", "SavePolicy", "SaveReport"),

@@ -16,39 +16,33 @@ system only:
   removes the markers and commits (manifest, rename, ``latest``, prune).
 
 If any rank dies before the commit, the directory keeps its ``.tmp_`` name: loaders
-never see it and the next save, or the next start, deletes it. On object storage the
-step is written in place (``writer.staging_dir``) and the markers are objects in it;
-a step without its manifest is as invisible, and as deleted, as a ``.tmp_`` one.
+never see it and the next save, or the next start, deletes it. Where the backend
+writes in place (object storage, ``Storage.staging_dir``) the markers are objects in
+the step itself; a step without its manifest is as invisible, and as deleted, as a
+``.tmp_`` one.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
-from elastor_mcore.checkpoint.format import CheckpointError
-from elastor_mcore.checkpoint.location import ObjectPath
+from elastor_mcore.checkpoint.format import CheckpointError, parse_step
 from elastor_mcore.checkpoint.plan import WritePlan
-from elastor_mcore.checkpoint.writer import (
-    Sources, commit, fsync_dir, remove, remove_stale, write_durably, write_share)
+from elastor_mcore.checkpoint.storage import MANIFEST, Location, is_transient, storage_for
+from elastor_mcore.checkpoint.writer import Sources, commit, remove_stale, write_share
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.01
-_POLL_OBJECT_S = 0.1
-"""Marker polls on object storage cost requests: ten a second."""
 
-
-def done_marker(tmp: Path | ObjectPath, rank: int) -> Path | ObjectPath:
+def done_marker(tmp: Location, rank: int) -> Location:
     return tmp / f"done.rank{rank}"
 
 
-def failed_marker(tmp: Path | ObjectPath, rank: int) -> Path | ObjectPath:
+def failed_marker(tmp: Location, rank: int) -> Location:
     return tmp / f"failed.rank{rank}"
 
 
@@ -57,8 +51,8 @@ class WriteJob:
     """Everything the background thread of one rank needs for one save."""
 
     step: int
-    tmp: Path | ObjectPath
-    path: Path | ObjectPath
+    tmp: Location
+    path: Location
     plan: WritePlan
     sources: Sources
     """This rank's units with their staged copies (owned by the job until it ends)."""
@@ -97,7 +91,8 @@ class BackgroundSave:
                 remove_stale(job.tmp.parent, keep=job.tmp.name)
             write_share(job.tmp, job.plan, job.sources, job.coordinator)
             if marks:
-                write_durably(done_marker(job.tmp, job.rank), f"{time.time()}\n")
+                storage_for(job.tmp).write_durably(done_marker(job.tmp, job.rank),
+                                                   f"{time.time()}\n")
         except BaseException as exc:  # reported through the marker and join()
             self.error = exc
             if marks:
@@ -120,46 +115,33 @@ class BackgroundSave:
             self.error = exc
 
 
-def _mark_failed(tmp: Path | ObjectPath, rank: int, exc: BaseException) -> None:
-    """Best effort on a full disk: an empty file needs no data blocks, the message may
-    not fit."""
+def _mark_failed(tmp: Location, rank: int, exc: BaseException) -> None:
+    """Best effort (``Storage.write_marker``): on a failing store the coordinator times
+    out instead."""
     marker = failed_marker(tmp, rank)
-    if isinstance(marker, ObjectPath):
-        try:
-            marker.write_text(f"{type(exc).__name__}: {exc}")
-        except CheckpointError as marker_error:
-            log.error("rank %d could not write %s (%s); the coordinator will time out",
-                      rank, marker, marker_error)
-        return
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, f"{type(exc).__name__}: {exc}".encode())
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-        fsync_dir(tmp)
-    except OSError as marker_error:
+        storage_for(marker).write_marker(marker, f"{type(exc).__name__}: {exc}")
+    except Exception as marker_error:  # any storage error: logged, the wait times out
         log.error("rank %d could not write %s (%s); the coordinator will time out",
                   rank, marker, marker_error)
 
 
-def wait_for_markers(tmp: Path | ObjectPath, ranks: list[int], timeout_s: float) -> None:
+def wait_for_markers(tmp: Location, ranks: list[int], timeout_s: float) -> None:
     """Until every rank in ``ranks`` has written ``done.rank<N>``; raise at the first
-    ``failed.rank<N>`` or when ``timeout_s`` passes."""
+    ``failed.rank<N>`` or when ``timeout_s`` passes. A poll that meets a transient
+    storage error is repeated at the next poll."""
     pending = set(ranks)
     deadline = time.monotonic() + timeout_s
     while pending:
         for rank in sorted(pending):
-            failed = failed_marker(tmp, rank)
-            if failed.is_file():
-                message = failed.read_text(errors="replace") or "(no message: disk full?)"
-                raise CheckpointError(f"rank {rank} failed to write its part of {tmp}: "
-                                      f"{message}")
-            if done_marker(tmp, rank).is_file():
-                pending.discard(rank)
+            try:
+                if _reported(tmp, rank):
+                    pending.discard(rank)
+            except Exception as exc:  # classified: only a transient error is polled again
+                if not is_transient(exc):
+                    raise
+                log.info("polling the marker of rank %d in %s failed (%s); polling again",
+                         rank, tmp, exc)
         if not pending:
             return
         if time.monotonic() > deadline:
@@ -167,11 +149,28 @@ def wait_for_markers(tmp: Path | ObjectPath, ranks: list[int], timeout_s: float)
                 f"rank(s) {sorted(pending)} did not finish writing {tmp} within "
                 f"{timeout_s:.0f}s; the step is not committed. Check those ranks' logs, or "
                 f"raise SavePolicy.commit_timeout_floor_s for slow storage")
-        time.sleep(_POLL_OBJECT_S if isinstance(tmp, ObjectPath) else _POLL_S)
+        time.sleep(storage_for(tmp).poll_s)
 
 
-def discard(tmp: Path | ObjectPath) -> None:
-    """Remove a temporary directory a failed save left (the previous steps stay)."""
-    if tmp.exists():
-        remove(tmp)
-        log.info("removed %s of a failed save", tmp)
+def _reported(tmp: Location, rank: int) -> bool:
+    """Whether ``rank`` is done; ``CheckpointError`` with its message if it failed."""
+    failed = failed_marker(tmp, rank)
+    if failed.is_file():
+        message = failed.read_text(errors="replace") or "(no message: disk full?)"
+        raise CheckpointError(f"rank {rank} failed to write its part of {tmp}: {message}")
+    return done_marker(tmp, rank).is_file()
+
+
+def discard(tmp: Location) -> None:
+    """Remove what a failed save left in ``tmp`` (the previous steps stay). Where the
+    backend writes in place and the manifest got written, the step is committed (what
+    failed came after, e.g. ``latest``): it is kept, as a renamed one would be."""
+    storage = storage_for(tmp)
+    if not tmp.exists():
+        return
+    if storage.writes_in_place and parse_step(tmp.name) is not None \
+            and (tmp / MANIFEST).is_file():
+        log.warning("%s is committed although its save reported a failure; keeping it", tmp)
+        return
+    storage.remove(tmp)
+    log.info("removed %s of a failed save", tmp)

@@ -16,14 +16,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
+from elastor_mcore.checkpoint.errors import CheckpointError, StorageError
+from elastor_mcore.checkpoint.storage import (
+    MANIFEST, TMP_PREFIX, Location, as_path, retrying, storage_for)
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 LATEST = "latest"
-TMP_PREFIX = ".tmp_"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _RESERVED_KEYS = {MANIFEST, "zarr.json", LATEST}
 
@@ -32,10 +32,6 @@ DTYPE_ITEMSIZE = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
 """Tensor dtypes the format stores (torch names, which are also zarr v3 names)."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, partial, corrupted, or does not fit the run."""
 
 
 def failed_for(failures: list[str]) -> str:
@@ -130,8 +126,15 @@ class Manifest:
 
     @staticmethod
     def from_json(text: str, where: str) -> "Manifest":
+        """Parse a manifest. Text that is not whole JSON raises a transient
+        ``StorageError``: a short read looks the same, and reading again may succeed."""
         try:
             data = json.loads(text)
+        except ValueError as exc:
+            raise StorageError(f"{where} is not complete JSON ({len(text)} characters: a "
+                               f"short read, or a corrupted file): {exc}",
+                               transient=True) from exc
+        try:
             version = data["format_version"]
             if version > FORMAT_VERSION:
                 raise CheckpointError(
@@ -153,15 +156,20 @@ def _is_json(value: Any) -> bool:
         return False
 
 
-def read_manifest(step_dir: Path) -> Manifest:
+def read_manifest(step_dir: str | os.PathLike | Location) -> Manifest:
+    """The manifest of a committed step (read again after a transient error)."""
     path = as_path(step_dir) / MANIFEST
-    try:
-        text = path.read_text()
-    except FileNotFoundError as exc:
-        raise CheckpointError(
-            f"{step_dir} has no {MANIFEST}: the save never committed; load another "
-            f"step or the root directory") from exc
-    return Manifest.from_json(text, str(path))
+
+    def read() -> Manifest:
+        try:
+            text = path.read_text()
+        except FileNotFoundError as exc:
+            raise CheckpointError(
+                f"{step_dir} has no {MANIFEST}: the save never committed; load another "
+                f"step or the root directory") from exc
+        return Manifest.from_json(text, str(path))
+
+    return retrying(read, f"reading {path}")
 
 
 def check_compatible(manifest: Manifest, model_config: dict[str, Any]) -> None:
@@ -189,10 +197,6 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def tmp_name(name: str) -> str:
-    return f"{TMP_PREFIX}{name}"
-
-
 def parse_step(name: str) -> int | None:
     match = _STEP_RE.match(name)
     return int(match.group(1)) if match else None
@@ -216,9 +220,12 @@ def latest_step(root: str | os.PathLike) -> int | None:
     root = as_path(root)
     steps = committed_steps(root)
     try:
-        named = parse_step((root / LATEST).read_text().strip())
+        text = (root / LATEST).read_text()
     except FileNotFoundError:
-        named = None
+        text = ""
+    # Written with a final newline: a text without one was cut short (a short read
+    # of "step_00000010\n" must not name step 1).
+    named = parse_step(text.strip()) if text.endswith("\n") else None
     if named is not None and named in steps:
         return named
     if steps:
@@ -228,9 +235,14 @@ def latest_step(root: str | os.PathLike) -> int | None:
     return None
 
 
-def resolve_step_dir(path_or_root: str | os.PathLike) -> Path | ObjectPath:
-    """A committed step directory: ``path_or_root`` itself, or the latest under it."""
+def resolve_step_dir(path_or_root: str | os.PathLike | Location) -> Location:
+    """A committed step directory: ``path_or_root`` itself, or the latest under it
+    (looked up again after a transient storage error)."""
     path = as_path(path_or_root)
+    return retrying(lambda: _resolve(path), f"finding the step to load in {path}")
+
+
+def _resolve(path: Location) -> Location:
     if (path / MANIFEST).is_file():
         return path
     if not path.is_dir():
@@ -329,8 +341,7 @@ def array_spec(step_dir: str | os.PathLike, key: str, entry: TensorEntry) -> dic
     where = as_path(step_dir) / key
     return {
         "driver": "zarr3",
-        "kvstore": (where.kvstore_spec() if isinstance(where, ObjectPath)
-                    else {"driver": "file", "path": os.fspath(where) + "/"}),
+        "kvstore": storage_for(where).kvstore(where),
         "metadata": {
             "shape": list(entry.shape),
             "data_type": entry.dtype,

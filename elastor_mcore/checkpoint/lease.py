@@ -11,10 +11,12 @@ rank starts and refreshes it while the job runs:
   any host), or whose owning process is gone (same host), is taken over, logged;
 * otherwise the job is refused with a message naming the owner.
 
-Loading needs no lease. Creation is ``O_EXCL`` and a take-over first renames the
-stale file away, so of two jobs racing for one root exactly one wins. On object
-storage the lease is an object created by a conditional PUT (create only), and a
-take-over deletes the stale one first.
+Loading needs no lease. The storage backend provides the primitives
+(``Storage.create_exclusive``, ``overwrite``, ``remove_once``): on a file system
+creation is ``O_EXCL`` and a take-over first renames the stale file away, so of two
+jobs racing for one root exactly one wins; on object storage the lease is an object
+created by a conditional PUT (create only), and a take-over deletes the stale one
+first.
 """
 
 from __future__ import annotations
@@ -27,12 +29,10 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass
-from pathlib import Path
-
 import psutil
 
 from elastor_mcore.checkpoint.format import CheckpointError
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
+from elastor_mcore.checkpoint.storage import as_path, storage_for
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class CheckpointLease:
             raise ValueError(f"refresh_s ({refresh_s}) must be shorter than stale_after_s "
                              f"({stale_after_s})")
         self.root, self.job_id = as_path(root), job_id
+        self.storage = storage_for(self.root)
         self.stale_after_s, self.refresh_s = stale_after_s, refresh_s
         self.path = self.root / LEASE_FILE
         self._stop = threading.Event()
@@ -109,10 +110,7 @@ class CheckpointLease:
 
     def acquire(self) -> None:
         """Take the lease (see the module docstring) and start refreshing it."""
-        if isinstance(self.root, ObjectPath):
-            self.root.check_access()  # else a failing create reads as a taken lease
-        else:
-            self.root.mkdir(parents=True, exist_ok=True)
+        self.storage.prepare_root(self.root)
         me = psutil.Process()
         now = time.time()
         self._owner = LeaseOwner(self.job_id, socket.gethostname(), me.pid, me.create_time(),
@@ -149,27 +147,14 @@ class CheckpointLease:
             self.path.unlink(missing_ok=True)
 
     def _create(self) -> bool:
-        if isinstance(self.path, ObjectPath):
-            return self.path.create(json.dumps(asdict(self._owner)).encode())
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(self._owner), f)
-        return True
+        return self.storage.create_exclusive(self.path, self._record())
 
     def _remove_lease(self) -> None:
-        """Rename the lease away (one racer wins) and delete it."""
-        if isinstance(self.path, ObjectPath):
-            self.path.unlink()
-            return
-        aside = self.path.with_name(f"{LEASE_FILE}.{self.job_id}.{os.getpid()}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return
-        aside.unlink(missing_ok=True)
+        """Delete the lease; of racing jobs one does it."""
+        self.storage.remove_once(self.path, f"{self.job_id}.{os.getpid()}")
+
+    def _record(self) -> bytes:
+        return json.dumps(asdict(self._owner)).encode()
 
     def _refresh(self) -> None:
         while not self._stop.wait(self.refresh_s):
@@ -179,9 +164,4 @@ class CheckpointLease:
                           "collide with it", self.root, current.describe())
                 return
             self._owner = LeaseOwner(**{**asdict(self._owner), "refreshed_at": time.time()})
-            if isinstance(self.path, ObjectPath):
-                self.path.write_text(json.dumps(asdict(self._owner)))
-                continue
-            tmp = self.path.with_name(f"{LEASE_FILE}.{os.getpid()}.new")
-            tmp.write_text(json.dumps(asdict(self._owner)))
-            os.replace(tmp, self.path)
+            self.storage.overwrite(self.path, self._record())

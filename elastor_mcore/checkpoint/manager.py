@@ -25,12 +25,11 @@ from elastor_mcore.checkpoint.background import BackgroundSave, WriteJob, discar
 from elastor_mcore.checkpoint.format import (
     CheckpointError, ChunkPolicy, latest_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
 from elastor_mcore.checkpoint.staging import HostStaging
+from elastor_mcore.checkpoint.storage import as_path, retrying, storage_for
 from elastor_mcore.checkpoint.writer import (
-    check_step, open_tmp, point_latest, staging_dir, unit_sources, validate,
-    wait_for_pruning)
+    check_step, open_tmp, point_latest, unit_sources, validate, wait_for_pruning)
 from elastor_mcore.geometry import ShardInfo
 
 log = logging.getLogger(__name__)
@@ -82,6 +81,9 @@ class _Exchange:
     """How this rank's part of the previous save failed, if it did."""
     error: str | None
     """Why this rank's shards or manifest cannot be saved, if so."""
+    storage_error: str | None
+    """How clearing the step failed (the coordinator, where the backend writes in
+    place): the save fails under ``on_error``, as a failed write does."""
     digest: str
     """Of this rank's shard geometry: the cached plan holds while no digest changes."""
     token: str | None
@@ -158,9 +160,10 @@ class CheckpointManager:
         wait_for_pruning()
 
     def _start(self, step: int, shards: Sequence[LocalShard],
-               manifest_extra: dict[str, Any] | None) -> BackgroundSave:
+               manifest_extra: dict[str, Any] | None) -> BackgroundSave | None:
         """The blocking part: finish the previous save, agree (one collective), plan
-        (cached), stage, and hand the rest to a background thread."""
+        (cached), stage, and hand the rest to a background thread (None: the save
+        failed at once, under ``on_error``)."""
         previous, self._job = self._job, None
         if previous is not None and previous.running():
             log.info("the save of step %d waits for the save of step %d to finish "
@@ -168,28 +171,38 @@ class CheckpointManager:
         previous_error = previous.join() if previous is not None else None
         coordinator = comm.is_coordinator(self.group)
         path = self.root / step_dir_name(step)
-        error = None
+        storage = storage_for(path)
+        error = storage_error = None
         try:
             validate(shards, step, manifest_extra, coordinator)
-            if coordinator and isinstance(path, ObjectPath):
-                open_tmp(path, clean_root=False)  # written in place: cleared first
         except CheckpointError as exc:
             error = exc
+        if error is None and coordinator and storage.writes_in_place:
+            try:
+                open_tmp(path, clean_root=False)  # cleared before any writer starts
+            except Exception as exc:  # any storage error: the save fails, under on_error
+                storage_error = exc
         infos = [s.info() for s in shards]
         gathered: list[_Exchange] = comm.all_gather(_Exchange(
             previous_error=comm.describe(previous_error), error=comm.describe(error),
+            storage_error=comm.describe(storage_error),
             digest=hashlib.sha1(repr(infos).encode()).hexdigest(),
             token=secrets.token_hex(4) if coordinator else None), self.group)
         if previous is not None:
             self._settle(previous, [g.previous_error for g in gathered])
-        comm.check([g.error for g in gathered], f"checkpoint save of step {step} to {path}",
-                   error)
+        what = f"checkpoint save of step {step} to {path}"
+        comm.check([g.error for g in gathered], what, error)
+        try:
+            comm.check([g.storage_error for g in gathered], what, storage_error)
+        except CheckpointError as exc:
+            self._failed(exc, step)
+            return None
         plan = self._plan(infos, [g.digest for g in gathered])
         rank = comm.global_rank()
         staged = self._staging.stage(unit_sources(plan.units_of(rank), shards))
         keep, root = self.policy.keep, self.root
         return BackgroundSave(WriteJob(
-            step=step, tmp=staging_dir(path, gathered[0].token),
+            step=step, tmp=storage.staging_dir(path, gathered[0].token),
             path=path, plan=plan, sources=staged, rank=rank, coordinator=coordinator,
             manifest_extra=manifest_extra, on_commit=lambda: point_latest(root, step, keep),
             commit_timeout_s=self.policy.commit_timeout_s))
@@ -210,14 +223,21 @@ class CheckpointManager:
                        job.error)
         except CheckpointError as exc:
             if job.job.coordinator:
-                discard(job.job.tmp)  # every rank has joined: nobody writes there now
+                try:
+                    discard(job.job.tmp)  # every rank has joined: nobody writes there now
+                except Exception as cleanup:  # a failing store: the next save clears it
+                    log.warning("could not remove %s of the failed save (%s); the next "
+                                "save removes it", job.job.tmp, cleanup)
             self._failed(exc, job.job.step)
 
     def _failed(self, exc: CheckpointError, step: int) -> None:
         """Apply ``on_error`` to a failed save, with the error every rank agreed on."""
-        previous = latest_step(self.root)
-        kept = (f"the previous checkpoint (step {previous}) is intact" if previous is not None
-                else "no earlier checkpoint exists")
+        try:
+            previous = retrying(lambda: latest_step(self.root), f"listing {self.root}")
+            kept = (f"the previous checkpoint (step {previous}) is intact"
+                    if previous is not None else "no earlier checkpoint exists")
+        except Exception as listing:  # a failing store: say so rather than fail here
+            kept = f"the earlier checkpoints could not be listed ({listing})"
         hint = (" The file system is full: free space, lower the number of kept "
                 "checkpoints, or save elsewhere." if "No space left" in str(exc) else "")
         error = CheckpointError(f"{exc}.{hint} Step {step} was not saved; {kept}.")

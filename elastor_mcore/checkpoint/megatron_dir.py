@@ -18,9 +18,9 @@ iteration, scheduler). Here each goes where it fits:
 ``async_save`` (Megatron-LM's ``--async-save``) snapshots the state and writes it in a
 background thread while training goes on.
 
-A checkpoint directory may also be an ``s3://`` URL (``checkpoint.location``): the files
-are objects, written in place, and ``metadata.json``, the last PUT, still marks the
-checkpoint complete.
+A checkpoint directory may also be an ``s3://`` URL (``checkpoint.storage``): the
+files are objects, written in place, and ``metadata.json``, the last PUT, still marks
+the checkpoint complete.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ import torch
 
 from elastor_mcore.checkpoint import (
     ChunkPolicy, comm, load_sharded_state_dict, save_sharded_state_dict)
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
-from elastor_mcore.checkpoint.writer import prune_oldest, write_durably
+from elastor_mcore.checkpoint.storage import Location, as_path, retrying, storage_for
+from elastor_mcore.checkpoint.writer import prune_oldest
 
 log = logging.getLogger(__name__)
 
@@ -136,18 +136,19 @@ def _prepare(sharded_state_dict: dict, content_metadata: dict | None, *,
                  if is_main_replica(obj.replica_id)})
 
 
-def _write(prepared: _Prepared, path: Path | ObjectPath, settings: ZarrSaveSettings,
+def _write(prepared: _Prepared, path: Location, settings: ZarrSaveSettings,
            group=None) -> None:
     save_sharded_state_dict(prepared.tensors, path, step=prepared.step,
                             manifest_extra=settings.manifest_extra,
                             chunking=settings.chunking, group=group)
+    mine = _written_here(prepared.objects, group)  # collective: before any write fails
     error = None
     try:
         if comm.is_coordinator(group):
             _write_bytes(prepared.common, path / COMMON_FILE)
-        for key, data in _written_here(prepared.objects, group).items():
+        for key, data in mine.items():
             _write_bytes(data, _object_file(path, key))
-    except OSError as exc:
+    except Exception as exc:  # any storage error, raised on every rank by agree
         error = exc
     comm.agree(error, f"saving Megatron-LM state to {path}", group)
 
@@ -157,7 +158,7 @@ def _write(prepared: _Prepared, path: Path | ObjectPath, settings: ZarrSaveSetti
             write_config(path)
             if settings.keep:
                 prune(path.parent, settings.keep, path)
-        except OSError as exc:
+        except Exception as exc:  # any storage error, raised on every rank by agree
             error = exc
     comm.agree(error, f"committing {path}", group)
     log.info("saved Megatron-LM checkpoint %s in the elastor zarr format", path)
@@ -294,30 +295,27 @@ def load_common_state_dict(checkpoint_dir: str | os.PathLike) -> dict:
 
 def write_config(checkpoint_dir: str | os.PathLike) -> None:
     """Mark ``checkpoint_dir`` as a complete elastor zarr checkpoint (the last write)."""
-    write_durably(as_path(checkpoint_dir) / CONFIG_FILE, json.dumps({
+    config = as_path(checkpoint_dir) / CONFIG_FILE
+    storage_for(config).write_durably(config, json.dumps({
         "sharded_backend": BACKEND, "sharded_backend_version": BACKEND_VERSION,
         "common_backend": "torch", "common_backend_version": 1}))
 
 
-def prune(save_dir: Path | ObjectPath, keep: int, just_saved: Path | ObjectPath) -> None:
+def prune(save_dir: Location, keep: int, just_saved: Location) -> None:
     """Delete all but the ``keep`` newest zarr ``iter_*`` checkpoints of ``save_dir``."""
     prune_oldest([(int(m.group(1)), entry) for entry in save_dir.iterdir()
                   if (m := _ITER_RE.match(entry.name)) and is_zarr_checkpoint(entry)],
                  keep, just_saved)
 
 
-def _object_file(path: Path | ObjectPath, unique_key: str) -> Path | ObjectPath:
+def _object_file(path: Location, unique_key: str) -> Location:
     return path / OBJECTS_DIR / f"{unique_key}.pt"
 
 
-def object_files(checkpoint_dir: str | os.PathLike) -> dict[str, Path | ObjectPath]:
+def object_files(checkpoint_dir: str | os.PathLike) -> dict[str, Location]:
     """``unique_key`` -> file of every ShardedObject saved in ``checkpoint_dir``."""
     root = as_path(checkpoint_dir) / OBJECTS_DIR
-    if isinstance(root, ObjectPath):
-        names = root.keys()
-    else:
-        names = [os.fspath(f.relative_to(root)) for f in root.rglob("*.pt")] \
-            if root.is_dir() else []
+    names = storage_for(root).list_files(root)
     return {name[:-len(".pt")]: root / name for name in sorted(names)
             if name.endswith(".pt")}
 
@@ -328,8 +326,11 @@ def write_torch(value: Any, file: str | os.PathLike) -> None:
 
 
 def read_torch(file: str | os.PathLike) -> Any:
-    """``torch.load`` of ``file``, a local path or an object-store URL."""
-    return torch.load(io.BytesIO(as_path(file).read_bytes()), weights_only=False)
+    """``torch.load`` of ``file``, a local path or an object-store URL (read again
+    after a transient storage error)."""
+    path = as_path(file)
+    data = retrying(path.read_bytes, f"reading {path}")
+    return torch.load(io.BytesIO(data), weights_only=False)
 
 
 def _serialise(value: Any) -> bytes:
@@ -338,7 +339,7 @@ def _serialise(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _write_bytes(data: bytes, file: Path | ObjectPath) -> None:
+def _write_bytes(data: bytes, file: Location) -> None:
     file.parent.mkdir(parents=True, exist_ok=True)
-    write_durably(file, data)
+    storage_for(file).write_durably(file, data)
 

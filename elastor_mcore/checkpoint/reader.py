@@ -3,9 +3,9 @@
 Tensors in elastor's own layout are read by ``fast_read`` (``preadv`` of inner chunks
 into the destination, crc32c checked in place); anything else is issued as one
 TensorStore batch (so reads of one file are coalesced) into the destination tensors'
-own memory, then awaited together. Only committed steps are ever read. Object
-storage (``s3://``, ``gs://``) is always read through TensorStore, whose range GETs
-fetch the same inner chunks.
+own memory, then awaited together. Only committed steps are ever read. A backend
+without local files (object storage: ``s3://``, ``gs://``) is always read through
+TensorStore, whose range GETs fetch the same inner chunks.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from elastor_mcore.checkpoint import comm, fast_read
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.plan import LocalShard, WriteUnit, assign_writers
+from elastor_mcore.checkpoint.storage import Location, as_path, retrying, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import Box, ShardInfo, common_refinement, local_view
 
@@ -48,7 +48,7 @@ class TensorInfo:
 class CheckpointReader:
     """Read-only access to one committed step, without any process group."""
 
-    def __init__(self, step_dir: Path | ObjectPath) -> None:
+    def __init__(self, step_dir: Location) -> None:
         self.path = step_dir
         self.manifest = read_manifest(step_dir)
 
@@ -101,9 +101,9 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group)
     except CheckpointError as exc:
         error = exc
     # One collective agrees on the targets' validity and shares every rank's boxes and
-    # page cache (on object storage there is none to share: every rank is its own).
-    cache = (f"rank {comm.global_rank()}" if isinstance(step_dir, ObjectPath)
-             else page_cache_id())
+    # page cache (without local files there is none to share: every rank is its own).
+    cache = (page_cache_id() if storage_for(step_dir).local_files
+             else f"rank {comm.global_rank()}")
     gathered = comm.all_gather((comm.describe(error), [t.info() for t in targets], cache),
                                group)
     comm.check([m for m, _, _ in gathered], f"checkpoint load from {step_dir}", error)
@@ -267,7 +267,7 @@ def _packed_slices(packed: torch.Tensor, views: list[torch.Tensor]):
         start += n
 
 
-def check_targets(step_dir: Path | ObjectPath, manifest: Manifest, targets: Sequence[LocalShard]) -> None:
+def check_targets(step_dir: Location, manifest: Manifest, targets: Sequence[LocalShard]) -> None:
     """Raise ``CheckpointError`` naming the tensor when a target does not fit the step."""
     for target in targets:
         entry = _entry(manifest, target.key, step_dir)
@@ -283,23 +283,29 @@ def check_targets(step_dir: Path | ObjectPath, manifest: Manifest, targets: Sequ
         target.validate()
 
 
-def read_boxes(step_dir: Path | ObjectPath, manifest: Manifest,
+def read_boxes(step_dir: Location, manifest: Manifest,
                targets: Sequence[LocalShard], *, fast: bool = True,
                checked: bool = False) -> None:
     """Fill every target's ``data`` with its box: through ``fast_read`` where it
     handles the tensor (and ``fast``; local files only), else one batched TensorStore
-    read per target. ``checked``: ``check_targets`` has passed already."""
+    read per target; all of it again after a transient storage error (``retrying``).
+    ``checked``: ``check_targets`` has passed already."""
     if not checked:
         check_targets(step_dir, manifest, targets)
+    retrying(lambda: _read_boxes(step_dir, manifest, targets, fast), f"reading {step_dir}")
+
+
+def _read_boxes(step_dir: Location, manifest: Manifest, targets: Sequence[LocalShard],
+                fast: bool) -> None:
     direct: list[LocalShard] = []
     rest: list[LocalShard] = []
-    local = not isinstance(step_dir, ObjectPath)
+    storage = storage_for(step_dir)
     for target in targets:
-        handled = (fast and local
+        handled = (fast and storage.local_files
                    and fast_read.handles(manifest.tensors[target.key], target))
         (direct if handled else rest).append(target)
     if direct:
-        fast_read.read_targets(step_dir, manifest.tensors, direct)
+        fast_read.read_targets(storage.local_path(step_dir), manifest.tensors, direct)
     if not rest:
         return
     keys = {t.key for t in rest}
@@ -313,7 +319,7 @@ def read_boxes(step_dir: Path | ObjectPath, manifest: Manifest,
     wait_all(futures, f"read from {step_dir}")
 
 
-def _entry(manifest: Manifest, key: str, step_dir: Path | ObjectPath) -> TensorEntry:
+def _entry(manifest: Manifest, key: str, step_dir: Location) -> TensorEntry:
     try:
         return manifest.tensors[key]
     except KeyError:

@@ -5,7 +5,6 @@ zero-copy views of torch tensors, batched futures, and the storage byte counters
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -14,10 +13,9 @@ import torch
 
 from elastor_mcore.checkpoint import fast_read
 from elastor_mcore.checkpoint.format import CheckpointError, TensorEntry, array_spec, failed_for
-from elastor_mcore.checkpoint.location import S3_REQUEST_CONCURRENCY, ObjectPath
-
-IO_CONCURRENCY = 16
-"""Parallel file operations per process; bounds open files and memory in flight."""
+from elastor_mcore.checkpoint.storage import Location
+from elastor_mcore.checkpoint.storage.file import IO_CONCURRENCY
+from elastor_mcore.checkpoint.storage.object_store import S3_REQUEST_CONCURRENCY
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,7 +44,7 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def open_arrays(step_dir: Path | ObjectPath, entries: dict[str, TensorEntry], *,
+def open_arrays(step_dir: Location, entries: dict[str, TensorEntry], *,
                 create: bool) -> dict[str, ts.TensorStore]:
     """Open (or, with ``create``, create the metadata of) many arrays concurrently.
 

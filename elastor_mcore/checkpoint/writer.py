@@ -7,10 +7,10 @@ fsynced) -> rank 0 writes ``manifest.json`` last, renames the directory into pla
 moves ``latest`` and prunes old steps (renamed away at once, deleted on a background
 thread) -> return. A crash at any point leaves the previous steps loadable.
 
-On object storage (``s3://``, ``gs://``: no rename, no ``fsync``) the step is written
-in place: ``step_<N>/`` is first cleared (its manifest first), the data and the
-per-rank markers go straight into it, and the manifest, written last, is what
-commits it; ``latest`` is one PUT. See docs/checkpoint-format.md.
+How the directory becomes visible is the storage backend's commit protocol
+(``checkpoint.storage``): the steps above are the file system's; on object storage
+(no rename, no ``fsync``) the step is written in place, first cleared (its manifest
+first), and the manifest, written last, commits it. See docs/checkpoint-format.md.
 
 The steps are separate functions because the asynchronous save
 (``checkpoint.background``) runs the same ones, split between the caller and a
@@ -22,22 +22,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from elastor_mcore.checkpoint import comm, fast_write
 from elastor_mcore.checkpoint.format import (
-    FORMAT_VERSION, LATEST, MANIFEST, TMP_PREFIX, CheckpointError, ChunkPolicy, Manifest,
-    TensorEntry, committed_steps, parse_step, step_dir_name, tmp_name)
+    FORMAT_VERSION, LATEST, CheckpointError, ChunkPolicy, Manifest, TensorEntry,
+    committed_steps, parse_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
 from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, WriteUnit, build_plan
-from elastor_mcore.checkpoint.store import IO_CONCURRENCY, numpy_view, open_arrays, wait_all
+from elastor_mcore.checkpoint.storage import MANIFEST, TMP_PREFIX, Location, as_path, storage_for
+from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import local_view
 
 log = logging.getLogger(__name__)
@@ -50,7 +48,7 @@ Sources = Sequence[tuple[WriteUnit, torch.Tensor]]
 class SaveResult:
     """A committed step and the plan every rank followed (who wrote which bytes)."""
 
-    path: Path | ObjectPath
+    path: Location
     step: int
     plan: WritePlan
 
@@ -87,7 +85,7 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
                       chunking: ChunkPolicy | None, clean_root: bool,
                       on_commit: Callable[[], None] | None) -> SaveResult:
     path = as_path(path)
-    tmp = staging_dir(path, "")
+    tmp = storage_for(path).staging_dir(path, "")
     coordinator = comm.is_coordinator(group)
     what = f"checkpoint save of step {step} to {path}"
 
@@ -156,7 +154,7 @@ def unit_sources(units: Sequence[WriteUnit], shards: Sequence[LocalShard]) -> So
     return sources
 
 
-def write_share(tmp: Path | ObjectPath, plan: WritePlan, sources: Sources,
+def write_share(tmp: Location, plan: WritePlan, sources: Sources,
                 coordinator: bool) -> None:
     """One rank's part of the data, and the metadata of its share of the arrays (the
     coordinator also the group's): spread over the ranks, as creating 100 arrays'
@@ -187,83 +185,82 @@ def metadata_creators(plan: WritePlan) -> dict[str, int]:
     return {key: ranks[i % len(ranks)] for i, (key, ranks) in enumerate(sorted(writers.items()))}
 
 
-def commit(tmp: Path | ObjectPath, path: Path | ObjectPath, step: int, plan: WritePlan,
+def commit(tmp: Location, path: Location, step: int, plan: WritePlan,
            manifest_extra: dict[str, Any] | None,
            on_commit: Callable[[], None] | None) -> None:
-    """Coordinator, once every rank's data is durable: manifest, rename, ``on_commit``."""
+    """Coordinator, once every rank's data is durable: the backend's commit (manifest
+    last), then ``on_commit``."""
     writers = len({u.writer for u in plan.units})
-    commit_dir(tmp, path, Manifest.build(step, plan.entries, writers, manifest_extra))
+    storage_for(path).commit_dir(
+        tmp, path, Manifest.build(step, plan.entries, writers, manifest_extra).to_json())
     if on_commit is not None:
         on_commit()
     log.info("committed %s (%d tensors, %d bytes)", path, len(plan.entries),
              sum(e.nbytes for e in plan.entries.values()))
 
 
-def point_latest(root: Path | ObjectPath, step: int, keep: int) -> None:
-    """Move ``latest`` to the step just committed and prune beyond ``keep``."""
-    write_durably(root / LATEST, step_dir_name(step) + "\n")
-    prune_oldest([(s, root / step_dir_name(s)) for s in committed_steps(root)], keep,
-                 root / step_dir_name(step))
+def point_latest(root: Location, step: int, keep: int) -> None:
+    """Move ``latest`` to the step just committed and prune beyond ``keep``. The step is
+    committed already: a failed prune is logged, and the next save prunes again."""
+    storage_for(root).write_durably(root / LATEST, step_dir_name(step) + "\n")
+    try:
+        prune_oldest([(s, root / step_dir_name(s)) for s in committed_steps(root)], keep,
+                     root / step_dir_name(step))
+    except Exception as exc:  # any storage error: housekeeping, not the save
+        log.warning("pruning old steps of %s failed (%s: %s); the next save prunes again",
+                    root, type(exc).__name__, exc)
 
 
-def staging_dir(path: Path | ObjectPath, token: str) -> Path | ObjectPath:
-    """Where the save of ``path`` writes before its commit: ``.tmp_<name>[.<token>]``
-    beside it, renamed into place; on object storage (no rename) ``path`` itself,
-    which its manifest, written last, commits."""
-    if isinstance(path, ObjectPath):
-        return path
-    return path.parent / tmp_name(f"{path.name}.{token}" if token else path.name)
-
-
-def remove_stale(root: str | os.PathLike, keep: str | None = None) -> None:
+def remove_stale(root: str | os.PathLike | Location, keep: str | None = None) -> None:
     """Delete leftovers of interrupted saves and prunes (``.tmp_*``) under ``root``,
-    except the entry named ``keep`` (a save that is starting). On object storage a
-    ``step_N`` without its manifest is such a leftover too."""
+    except the entry named ``keep`` (a save that is starting). Where a backend writes
+    in place, a ``step_N`` without its manifest is such a leftover too."""
     root = as_path(root)
+    storage = storage_for(root)
     if root.is_dir():
-        remote = isinstance(root, ObjectPath)
         for entry in root.iterdir():
-            abandoned = (remote and parse_step(entry.name) is not None
+            abandoned = (storage.writes_in_place and parse_step(entry.name) is not None
                          and not (entry / MANIFEST).is_file())
             if (entry.name.startswith(TMP_PREFIX) or abandoned) and entry.name != keep:
                 log.info("removing stale %s", entry)
-                remove(entry)
+                storage.remove(entry)
 
 
-def open_tmp(tmp: Path | ObjectPath, clean_root: bool) -> None:
+def open_tmp(tmp: Location, clean_root: bool) -> None:
     """Coordinator: a fresh, empty ``tmp`` directory for one save (with
     ``clean_root``, every stale ``.tmp_*`` beside it is removed first)."""
     if clean_root:
         remove_stale(tmp.parent, keep=tmp.name)
     if tmp.exists():
-        remove(tmp)
+        storage_for(tmp).remove(tmp)
     tmp.mkdir(parents=True)
 
 
-def begin_single(tmp: Path | ObjectPath, entries: dict[str, TensorEntry]) -> None:
+def begin_single(tmp: Location, entries: dict[str, TensorEntry]) -> None:
     """A one-process writer's first step (converters hold one tensor at a time): a
     fresh ``tmp`` holding every array's metadata, ready for ``write_whole``."""
     open_tmp(tmp, clean_root=False)
     write_share(tmp, WritePlan(entries, []), [], coordinator=True)
 
 
-def write_whole(tmp: Path | ObjectPath, key: str, entry: TensorEntry, tensor: torch.Tensor) -> None:
+def write_whole(tmp: Location, key: str, entry: TensorEntry, tensor: torch.Tensor) -> None:
     """Write all of one tensor into the array ``key`` of ``tmp``."""
     array = open_arrays(tmp, {key: entry}, create=False)[key]
     array.write(numpy_view(tensor.detach().cpu().contiguous())).result()
 
 
-def _write_units(tmp: Path | ObjectPath, entries: dict[str, TensorEntry], sources: Sources) -> None:
-    """Write this rank's units: whole files of local arrays by ``fast_write``, the rest
-    issued to TensorStore at once, then waited for together."""
-    local = not isinstance(tmp, ObjectPath)
+def _write_units(tmp: Location, entries: dict[str, TensorEntry], sources: Sources) -> None:
+    """Write this rank's units: whole files by ``fast_write`` where the backend offers
+    local files, the rest issued to TensorStore at once, then waited for together."""
+    storage = storage_for(tmp)
     direct, rest = [], []
     for unit, data in sources:
-        if local and fast_write.handles(entries[unit.key], unit.box, data):
+        if storage.local_files and fast_write.handles(entries[unit.key], unit.box, data):
             direct.append((unit.key, entries[unit.key], unit.box, data))
         else:
             rest.append((unit, data))
-    fast_write.write_files(tmp, direct)
+    if direct:
+        fast_write.write_files(storage.local_path(tmp), direct)
     if not rest:
         return
     arrays = open_arrays(tmp, {u.key: entries[u.key] for u, _ in rest}, create=False)
@@ -272,39 +269,16 @@ def _write_units(tmp: Path | ObjectPath, entries: dict[str, TensorEntry], source
     wait_all(futures, "write")
 
 
-def commit_dir(tmp: Path | ObjectPath, path: Path | ObjectPath, manifest: Manifest) -> None:
-    """Make a fully written ``tmp`` visible as ``path``: fsync every directory, write
-    the manifest last, rename into place (replacing any old ``path``). On object
-    storage ``tmp`` is ``path`` and the manifest's one PUT is the commit."""
-    if isinstance(path, ObjectPath):
-        write_durably(path / MANIFEST, manifest.to_json())
-        return
-    with ThreadPoolExecutor(IO_CONCURRENCY) as pool:  # concurrent fsyncs share journal commits
-        list(pool.map(fsync_dir, (Path(d) for d, _, _ in os.walk(tmp))))
-    write_durably(tmp / MANIFEST, manifest.to_json())
-    replaced = None
-    if path.exists():
-        replaced = path.parent / tmp_name(path.name + ".replaced")
-        os.rename(path, replaced)
-    os.rename(tmp, path)
-    fsync_dir(path.parent)
-    if replaced is not None:
-        remove(replaced)
-
-
-def prune_oldest(found: Sequence[tuple[int, Path]], keep: int, just_saved: Path) -> None:
+def prune_oldest(found: Sequence[tuple[int, Location]], keep: int, just_saved: Location) -> None:
     """Delete all but the ``keep`` newest of ``found`` (step, directory), never
-    ``just_saved``. Each is first renamed to a ``.tmp_`` name (atomic), so a crash
-    leaves a whole step or a leftover ``remove_stale`` clears, never half a step (on
-    object storage its manifest is deleted first, to the same effect)."""
+    ``just_saved``. Each is first made invisible at once by its backend (``retire``:
+    renamed to a ``.tmp_`` name, or its manifest deleted first), so a crash leaves a
+    whole step or a leftover ``remove_stale`` clears, never half a step."""
     for _, entry in sorted(found)[:-keep]:
         if entry.resolve() == just_saved.resolve():
             continue
-        if isinstance(entry, ObjectPath):
-            remove(entry)
-        else:
-            doomed = entry.parent / tmp_name(entry.name + ".deleting")
-            os.rename(entry, doomed)
+        doomed = storage_for(entry).retire(entry)
+        if doomed is not None:
             _delete_in_background(doomed)
         log.info("pruned %s (keeping %d checkpoints)", entry, keep)
 
@@ -313,53 +287,18 @@ _deleter: ThreadPoolExecutor | None = None
 _deletions: list[Future] = []
 
 
-def _delete_in_background(doomed: Path) -> None:
-    """Delete a pruned step, already renamed away, on a background thread: deleting a
+def _delete_in_background(doomed: Location) -> None:
+    """Delete a pruned step, already retired, on a background thread: deleting a
     step's files took 0.25 s per GB on the save's critical path (a quarter of a
     steady-state save), and nothing needs to wait for it. A deletion cut short by
     the process's end leaves a ``.tmp_`` entry that the next save clears."""
     global _deleter
     if _deleter is None:
         _deleter = ThreadPoolExecutor(1, thread_name_prefix="elastor-prune")
-    _deletions.append(_deleter.submit(remove, doomed))
+    _deletions.append(_deleter.submit(storage_for(doomed).remove, doomed))
 
 
 def wait_for_pruning() -> None:
     """Return once every pruned step handed to the background is deleted."""
     while _deletions:
         _deletions.pop(0).result()
-
-
-def write_durably(path: Path | ObjectPath, data: str | bytes) -> None:
-    """Write a small file so that it is either absent, or present and complete, even
-    across a power loss (tmp, fsync, rename, fsync of the directory; one PUT on
-    object storage)."""
-    if isinstance(path, ObjectPath):
-        path.write_bytes(data if isinstance(data, bytes) else data.encode())
-        return
-    tmp = path.parent / tmp_name(path.name)
-    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def remove(path: Path | ObjectPath) -> None:
-    if isinstance(path, ObjectPath):  # manifest first: never half a committed step
-        (path / MANIFEST).unlink()
-        path.remove_tree()
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
+from elastor_mcore.checkpoint.storage import Location, as_path, storage_for
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 
 FORMATS = ("zarr", "torch_dist", "hf")
@@ -41,11 +39,11 @@ def register(subparsers) -> None:
     parser.set_defaults(func=run)
 
 
-def source_format(path: Path | ObjectPath) -> str:
+def source_format(path: Location) -> str:
     from elastor_mcore.checkpoint.megatron_dir import is_zarr_checkpoint
     from elastor_mcore.convert import hf_llama, torch_dist
 
-    if isinstance(path, ObjectPath):
+    if not storage_for(path).local_files:
         if (path / "manifest.json").is_file() or (path / "latest").is_file():
             return "zarr"
         raise CheckpointError(f"{path} is not an elastor checkpoint (no manifest.json or "
@@ -73,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         kind = source_format(src)
-        if isinstance(dst, ObjectPath) and args.to != "zarr":
+        if not storage_for(dst).local_files and args.to != "zarr":
             raise CheckpointError(
                 f"{dst}: --to {args.to} writes a local directory; only elastor zarr "
                 f"checkpoints are written to object storage (convert into a local "

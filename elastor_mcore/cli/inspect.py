@@ -7,7 +7,7 @@ import json
 import sys
 
 from elastor_mcore.checkpoint.format import CheckpointError, read_manifest, resolve_step_dir
-from elastor_mcore.checkpoint.location import ObjectPath
+from elastor_mcore.checkpoint.storage import storage_for
 from elastor_mcore.parallel.layout import LayoutError, layout_from_dict
 
 
@@ -51,10 +51,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stored(step_dir) -> str:
-    """Bytes on disk; an object store's listing gives no sizes, so its object count."""
-    if isinstance(step_dir, ObjectPath):
-        return f"{len(step_dir.keys()):,} objects"
-    return f"{sum(f.stat().st_size for f in step_dir.rglob('*') if f.is_file()):,} bytes on disk"
+    """Bytes on disk; where a listing gives no sizes (object stores), the object count."""
+    storage = storage_for(step_dir)
+    size = storage.stored_bytes(step_dir)
+    if size is None:
+        return f"{len(storage.list_files(step_dir)):,} objects"
+    return f"{size:,} bytes on disk"
 
 
 def _describe_layout(layout) -> str:

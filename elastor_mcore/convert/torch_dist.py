@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy
 from elastor_mcore.checkpoint import open as open_checkpoint
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
+from elastor_mcore.checkpoint.storage import Location, as_path
 from elastor_mcore.compat.mcore import (
     torch_dist_common_in_dcp, torch_dist_common_object, torch_dist_common_object_key,
     torch_dist_common_state)
@@ -238,7 +238,7 @@ def _stack_plan(reader) -> dict[str, tuple[tuple[int, ...], str, list[tuple[str,
     return outputs
 
 
-def _mcore_object_bytes(file: Path | ObjectPath) -> bytes:
+def _mcore_object_bytes(file: Location) -> bytes:
     buffer = io.BytesIO()
     torch.save([megatron_dir.read_torch(file)], buffer)
     return buffer.getvalue()

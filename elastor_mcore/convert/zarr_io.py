@@ -3,24 +3,24 @@
 The collective writer (``checkpoint.write_checkpoint``) takes every shard at once;
 a converter holds one tensor at a time instead. This module plans the arrays up
 front from shapes alone, writes each tensor as it arrives, and commits through the
-checkpoint writer's one-process steps (``begin_single``, ``write_whole``,
-``commit_dir``), so the result is an ordinary committed step (manifest last, atomic
-rename; on object storage the step is written in place and its manifest commits it).
+checkpoint writer's one-process steps (``begin_single``, ``write_whole``) and the
+storage backend's commit (``Storage.commit_dir``), so the result is an ordinary
+committed step (manifest last, atomic rename; on object storage the step is written
+in place and its manifest commits it).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from elastor_mcore.checkpoint import CheckpointError, ChunkPolicy, Manifest
 from elastor_mcore.checkpoint.format import choose_entry
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
-from elastor_mcore.checkpoint.writer import begin_single, commit_dir, staging_dir, write_whole
+from elastor_mcore.checkpoint.storage import Location, as_path, storage_for
+from elastor_mcore.checkpoint.writer import begin_single, write_whole
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ class StreamingZarrWriter:
         if self.path.exists() and any(self.path.iterdir()):
             raise CheckpointError(f"{self.path} exists and is not empty; choose a new "
                                   f"directory")
-        self.tmp = staging_dir(self.path, "")
+        self.storage = storage_for(self.path)
+        self.tmp = self.storage.staging_dir(self.path, "")
         self.step, self.manifest_extra = step, manifest_extra
         policy = chunking or ChunkPolicy()
         self.entries = {key: choose_entry(shape, dtype, [[0, n] for n in shape], policy)
@@ -61,12 +62,12 @@ class StreamingZarrWriter:
         write_whole(self.tmp, key, entry, tensor)
         self.written.add(key)
 
-    def commit(self) -> Path | ObjectPath:
+    def commit(self) -> Location:
         missing = sorted(set(self.entries) - self.written)
         if missing:
             raise CheckpointError(f"{self.path}: tensors {missing[:5]} were declared but "
                                   f"never written ({len(missing)} in all)")
-        commit_dir(self.tmp, self.path, Manifest.build(self.step, self.entries, 1,
-                                                       self.manifest_extra))
+        self.storage.commit_dir(self.tmp, self.path, Manifest.build(
+            self.step, self.entries, 1, self.manifest_extra).to_json())
         log.info("committed %s (%d tensors)", self.path, len(self.entries))
         return self.path

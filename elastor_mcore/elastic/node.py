@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from elastor_mcore.checkpoint.lease import CheckpointLease
-from elastor_mcore.checkpoint.location import ObjectPath
+from elastor_mcore.checkpoint.storage import Location
 from elastor_mcore.config.failure_plan import Failure, validate
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.run import RunSettings
@@ -102,7 +102,7 @@ class NodeConfig:
                  self.settings.failure_plan or "failure plan")
 
     @property
-    def checkpoint_dir(self) -> Path | ObjectPath:
+    def checkpoint_dir(self) -> Location:
         return run_checkpoint_dir(self.run_dir, self.checkpoint_root)
 
 

@@ -44,7 +44,7 @@ import psutil
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
-from elastor_mcore.checkpoint.location import ObjectPath, as_path
+from elastor_mcore.checkpoint.storage import Location, as_path
 from elastor_mcore.elastic import probe, profiling
 from elastor_mcore.elastic.report import launch_step_s
 from elastor_mcore.config.failure_plan import Failure, validate
@@ -111,11 +111,11 @@ class SupervisorConfig:
         validate(self.failures, self.slots, steps, self.settings.failure_plan or "failure plan")
 
     @property
-    def checkpoint_dir(self) -> Path | ObjectPath:
+    def checkpoint_dir(self) -> Location:
         return run_checkpoint_dir(self.run_dir, self.checkpoint_root)
 
 
-def run_checkpoint_dir(run_dir: Path, root: str | None) -> Path | ObjectPath:
+def run_checkpoint_dir(run_dir: Path, root: str | None) -> Location:
     """Where a run's checkpoints go: ``root`` (a directory or an ``s3://`` URL) if given,
     else ``<run_dir>/checkpoints``."""
     return run_dir / "checkpoints" if root is None else as_path(root)

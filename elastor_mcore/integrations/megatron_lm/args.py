@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from elastor_mcore.integrations.megatron_lm import hooks
 from elastor_mcore.checkpoint import ChunkPolicy
-from elastor_mcore.checkpoint.location import is_url
+from elastor_mcore.checkpoint.storage import is_url
 from elastor_mcore.compat.mcore import set_tensor_parallel_args
 from elastor_mcore.parallel.groups import RankGroups
 from elastor_mcore.parallel.layout import (

@@ -3,7 +3,7 @@ elastor zarr format (``--elastor-ckpt-format zarr``).
 
 Megatron-LM's ``megatron/training/checkpointing.py`` touches the file system around the
 save directory in a few places only; with a URL each of them goes to the object store
-(endpoint and credentials from the AWS environment, ``checkpoint.location``):
+(endpoint and credentials from the AWS environment, ``checkpoint.storage``):
 
 * creating ``iter_<N>/`` (``ensure_directory_exists``): prefixes need no creation;
 * the tracker ``latest_checkpointed_iteration.txt``: its existence, its read and its
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.checkpoint.format import CheckpointError
-from elastor_mcore.checkpoint.location import as_path, is_url, open_object
+from elastor_mcore.checkpoint.storage import as_path, is_url, open_location
 
 
 def install(patch: Callable[[Any, str, Callable], None], training_ckpt) -> None:
@@ -68,7 +68,7 @@ def _wrap_isfile(original):
 def _wrap_open(original):
     def open_file(path, mode="r", *args, **kwargs):
         if is_url(path):
-            return open_object(path, mode)
+            return open_location(path, mode)
         return original(path, mode, *args, **kwargs)
     return open_file
 
@@ -98,7 +98,7 @@ class ObjectStoreAwareClient:
 
     def open(self, path, mode="r", *args, **kwargs):
         if is_url(path):
-            return open_object(path, mode)
+            return open_location(path, mode)
         return self._original.open(path, mode, *args, **kwargs)
 
     @property

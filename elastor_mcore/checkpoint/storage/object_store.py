@@ -1,36 +1,29 @@
-"""Where a checkpoint lives: a local directory or an object-store URL.
+"""An S3-compatible object store (``s3://BUCKET/PREFIX``; ``gs://`` maps to Google
+Cloud Storage the same way, untested here), through TensorStore's kvstores: commit by
+writing the manifest last.
 
-``s3://bucket/prefix`` (Amazon S3 and S3-compatible stores) and ``gs://bucket/prefix``
-(Google Cloud Storage, untested here) name the same layout as a local root. An
-``ObjectPath`` offers the few ``pathlib.Path`` operations the checkpoint code uses
-(``/``, ``name``, ``parent``, ``exists``, ``is_file``, ``is_dir``, ``iterdir``, reads,
-writes, ``unlink``), so the format helpers work on either; what object storage cannot
-do (rename, ``fsync``) the writer does differently (see docs/checkpoint-format.md).
+Object stores have no rename and no ``fsync``, and a PUT of one object is atomic. A
+save therefore writes straight into ``step_N/`` (first cleared, its manifest first),
+and the manifest, one PUT written last, commits it; deletion removes the manifest
+first. The lease is an object created by a conditional PUT (create only).
 
-Endpoint, region and credentials come only from the standard AWS environment:
-``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, ``AWS_REGION`` or
+An ``ObjectPath`` offers the few ``pathlib.Path`` operations the callers use (``/``,
+``name``, ``parent``, ``exists``, ``is_file``, ``is_dir``, ``iterdir``, reads, writes,
+``unlink``). Endpoint, region and credentials come only from the standard AWS
+environment: ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL``, ``AWS_REGION`` or
 ``AWS_DEFAULT_REGION``, and TensorStore's credential chain (``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` with the shared credentials file, instance
-metadata). TensorStore is imported on first use, so the format helpers stay light for
-local roots.
+metadata). TensorStore is imported on first use, so listing local roots stays light.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
 import os
-from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator
 
-
-def _error(message: str) -> Exception:
-    """A ``CheckpointError`` (imported late: ``format`` imports this module)."""
-    from elastor_mcore.checkpoint.format import CheckpointError
-
-    return CheckpointError(message)
-
+from elastor_mcore.checkpoint.errors import StorageError
+from elastor_mcore.checkpoint.storage.base import MANIFEST, Storage
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}
 """URL scheme -> TensorStore kvstore driver."""
@@ -38,18 +31,8 @@ S3_REQUEST_CONCURRENCY = 32
 """Requests in flight per process against an object store (saves and loads)."""
 _NO_VALUE = b"\x02"
 """TensorStore's storage generation of a missing key: ``if_equal`` it = create only."""
-
-
-def is_url(path: str | os.PathLike | "ObjectPath") -> bool:
-    return isinstance(path, ObjectPath) or (
-        isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path)
-
-
-def as_path(path: str | os.PathLike | "ObjectPath") -> "Path | ObjectPath":
-    """``path`` as a ``Path``, or an ``ObjectPath`` for an object-store URL."""
-    if isinstance(path, (Path, ObjectPath)):
-        return path
-    return ObjectPath(path) if is_url(path) else Path(path)
+_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED")
+"""TensorStore status codes of a request that may succeed if repeated."""
 
 
 def aws_endpoint() -> str | None:
@@ -67,8 +50,8 @@ class ObjectPath:
         scheme, _, rest = url.partition("://")
         bucket, _, key = rest.partition("/")
         if scheme not in SCHEMES or not bucket:
-            raise _error(f"{url!r} is not an object-store URL: use s3://BUCKET/PREFIX "
-                                  f"or gs://BUCKET/PREFIX")
+            raise StorageError(f"{url!r} is not an object-store URL: use s3://BUCKET/PREFIX "
+                               f"or gs://BUCKET/PREFIX")
         self.scheme, self.bucket = scheme, bucket
         self.key = "/".join(part for part in key.split("/") if part)
 
@@ -188,25 +171,7 @@ class ObjectPath:
         try:
             return op(_bucket_store(self.scheme, self.bucket, aws_endpoint(), aws_region()))
         except ValueError as exc:  # TensorStore reports storage errors as ValueError
-            raise _error(explain(exc, f"{action} {self}")) from exc
-
-
-@contextlib.contextmanager
-def open_object(url: str | ObjectPath, mode: str = "r") -> Iterator[IO]:
-    """``open`` for a small object (a tracker file): reading is one GET, writing one PUT
-    when the block ends (readers see the old object or the new one)."""
-    path = as_path(url)
-    if mode not in ("r", "rb", "w", "wb"):
-        raise ValueError(f"open_object({str(path)!r}, {mode!r}): only r, rb, w and wb")
-    binary = "b" in mode
-    if mode.startswith("r"):
-        data = path.read_bytes()
-        yield io.BytesIO(data) if binary else io.StringIO(data.decode())
-        return
-    buffer = io.BytesIO() if binary else io.StringIO()
-    yield buffer
-    value = buffer.getvalue()
-    path.write_bytes(value if binary else value.encode())
+            raise _storage_error(exc, f"{action} {self}") from exc
 
 
 def explain(exc: BaseException, what: str) -> str:
@@ -227,6 +192,10 @@ def explain(exc: BaseException, what: str) -> str:
     return f"{what} failed: {fix} ({text})"
 
 
+def _storage_error(exc: ValueError, what: str) -> StorageError:
+    return StorageError(explain(exc, what), transient=any(c in str(exc) for c in _TRANSIENT))
+
+
 def _prefix_range(prefix: str):
     import tensorstore as ts
 
@@ -245,7 +214,7 @@ def _bucket_store(scheme: str, bucket: str, endpoint: str | None, region: str | 
         return ts.KvStore.open(root.kvstore_spec(trailing_slash=False),
                                context=object_context()).result()
     except ValueError as exc:
-        raise _error(explain(exc, f"open {root}")) from exc
+        raise _storage_error(exc, f"open {root}") from exc
 
 
 @functools.lru_cache(maxsize=1)
@@ -255,3 +224,64 @@ def object_context():
 
     return ts.Context({"s3_request_concurrency": {"limit": S3_REQUEST_CONCURRENCY},
                        "cache_pool": {"total_bytes_limit": 0}})
+
+
+class ObjectStorage(Storage):
+    writes_in_place = True
+    poll_s = 0.1
+    """Marker polls cost requests: ten a second."""
+
+    def location(self, where: str) -> ObjectPath:
+        return ObjectPath(where)
+
+    def kvstore(self, directory: ObjectPath) -> dict[str, Any]:
+        return directory.kvstore_spec()
+
+    # ------------------------------------------------------------------ commit protocol
+
+    def staging_dir(self, path: ObjectPath, token: str) -> ObjectPath:
+        """No rename: the step is written in place, and its manifest commits it."""
+        return path
+
+    def commit_dir(self, tmp: ObjectPath, path: ObjectPath, manifest: str) -> None:
+        (path / MANIFEST).write_text(manifest)
+
+    def write_durably(self, path: ObjectPath, data: str | bytes) -> None:
+        """One PUT: readers see the old object or the new one, never a part."""
+        path.write_bytes(data if isinstance(data, bytes) else data.encode())
+
+    def write_marker(self, path: ObjectPath, text: str) -> None:
+        path.write_text(text)
+
+    # ------------------------------------------------------------------ listing, deletion
+
+    def list_files(self, directory: ObjectPath) -> list[str]:
+        return directory.keys()
+
+    def stored_bytes(self, directory: ObjectPath) -> None:
+        """A listing gives no sizes."""
+        return None
+
+    def remove(self, path: ObjectPath) -> None:
+        (path / MANIFEST).unlink()
+        path.remove_tree()
+        path.unlink()
+
+    def retire(self, path: ObjectPath) -> None:
+        """Deleted at once, its manifest first."""
+        self.remove(path)
+        return None
+
+    # ------------------------------------------------------------------ lease primitives
+
+    def prepare_root(self, root: ObjectPath) -> None:
+        root.check_access()  # else a failing create reads as a taken lease
+
+    def create_exclusive(self, path: ObjectPath, data: bytes) -> bool:
+        return path.create(data)
+
+    def overwrite(self, path: ObjectPath, data: bytes) -> None:
+        path.write_bytes(data)
+
+    def remove_once(self, path: ObjectPath, claimant: str) -> None:
+        path.unlink()
