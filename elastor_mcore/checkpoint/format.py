@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from elastor_mcore.checkpoint.errors import CheckpointError
 from elastor_mcore.checkpoint.location import ObjectPath, as_path
 
 log = logging.getLogger(__name__)
@@ -32,10 +33,6 @@ DTYPE_ITEMSIZE = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }
 """Tensor dtypes the format stores (torch names, which are also zarr v3 names)."""
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, partial, corrupted, or does not fit the run."""
 
 
 def failed_for(failures: list[str]) -> str:

@@ -24,13 +24,7 @@ import os
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-
-def _error(message: str) -> Exception:
-    """A ``CheckpointError`` (imported late: ``format`` imports this module)."""
-    from elastor_mcore.checkpoint.format import CheckpointError
-
-    return CheckpointError(message)
-
+from elastor_mcore.checkpoint.errors import CheckpointError
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}
 """URL scheme -> TensorStore kvstore driver."""
@@ -67,8 +61,8 @@ class ObjectPath:
         scheme, _, rest = url.partition("://")
         bucket, _, key = rest.partition("/")
         if scheme not in SCHEMES or not bucket:
-            raise _error(f"{url!r} is not an object-store URL: use s3://BUCKET/PREFIX "
-                                  f"or gs://BUCKET/PREFIX")
+            raise CheckpointError(f"{url!r} is not an object-store URL: use "
+                                  f"s3://BUCKET/PREFIX or gs://BUCKET/PREFIX")
         self.scheme, self.bucket = scheme, bucket
         self.key = "/".join(part for part in key.split("/") if part)
 
@@ -188,7 +182,7 @@ class ObjectPath:
         try:
             return op(_bucket_store(self.scheme, self.bucket, aws_endpoint(), aws_region()))
         except ValueError as exc:  # TensorStore reports storage errors as ValueError
-            raise _error(explain(exc, f"{action} {self}")) from exc
+            raise CheckpointError(explain(exc, f"{action} {self}")) from exc
 
 
 @contextlib.contextmanager
@@ -245,7 +239,7 @@ def _bucket_store(scheme: str, bucket: str, endpoint: str | None, region: str | 
         return ts.KvStore.open(root.kvstore_spec(trailing_slash=False),
                                context=object_context()).result()
     except ValueError as exc:
-        raise _error(explain(exc, f"open {root}")) from exc
+        raise CheckpointError(explain(exc, f"open {root}")) from exc
 
 
 @functools.lru_cache(maxsize=1)
