@@ -206,6 +206,7 @@ def install(options: ElastorOptions | Callable[[], ElastorOptions],
         original = getattr(module, patch.name)
         installation.originals.append((module, patch.name, original))
         setattr(module, patch.name, patch.make(original, installation))
+        log.debug("replaced %s (called %s): %s", patch.target, patch.when, patch.why)
     _installed = installation
     return installation
 
