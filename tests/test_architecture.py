@@ -1,7 +1,8 @@
 """The import graph of ``elastor_mcore``, read with ``ast`` (nothing is imported).
 
 Packages are layered; a module may import its own package and any package below it,
-never one above. The order is the module table of ``docs/architecture.md``.
+never one above. The order is the module table of ``docs/architecture.md``. Within a
+package, modules import each other without cycles as well.
 """
 
 from __future__ import annotations
@@ -191,6 +192,92 @@ def test_no_cycles_between_packages():
                 elif nxt not in trail and nxt > start:
                     stack.append((nxt, trail + [nxt]))
     assert not cycles, "import cycles between packages:\n" + "\n".join(cycles)
+
+
+def module_edges() -> dict[str, dict[str, str]]:
+    """Module -> the modules of ours it imports -> where (function-level imports
+    included). ``from pkg import mod`` reaches ``pkg.mod``, and ``pkg`` itself only if
+    it also imports a name defined there: a package's ``__init__`` runs for every
+    module inside it anyway, so that is no edge."""
+    edges: dict[str, dict[str, str]] = {module: {} for module in MODULES}
+    for module, found in ALL_IMPORTS.items():
+        for imp in found:
+            reached = targets(imp)
+            if imp.names and len(reached) == len(imp.names) + 1:  # submodules only
+                reached = reached[1:]
+            for target in reached:
+                if target in MODULES and target != module:
+                    edges[module].setdefault(target, imp.where())
+    return edges
+
+
+def strongly_connected(edges: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of the graph ``edges``."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges[node]:
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            components.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_no_cycles_between_modules():
+    edges = module_edges()
+    cycles = []
+    for component in strongly_connected(edges):
+        if len(component) > 1:
+            members = set(component)
+            cycles.append(" <-> ".join(component) + "\n  " + "\n  ".join(
+                where for module in component for target, where in sorted(edges[module].items())
+                if target in members))
+    assert not cycles, "import cycles between modules:\n" + "\n".join(cycles)
+
+
+PARALLEL_STATE_WRITERS = {
+    "install_parallel_state": {f"{PACKAGE}.compat.mcore", f"{PACKAGE}.parallel.groups"},
+    "destroy_model_parallel": set(),
+}
+"""Names that change mcore's ``parallel_state`` -> the modules that may use them:
+``compat.mcore`` writes the globals, ``parallel.groups.install`` is its one caller."""
+
+
+def test_one_writer_of_parallel_state():
+    bad = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            used = (node.id if isinstance(node, ast.Name) else node.attr
+                    if isinstance(node, ast.Attribute) else None)
+            if isinstance(node, ast.alias):
+                used = node.name
+            if used in PARALLEL_STATE_WRITERS and module not in PARALLEL_STATE_WRITERS[used]:
+                bad.append(f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')} uses "
+                           f"{used}")
+    assert not bad, ("only parallel.groups.install changes mcore's parallel_state:\n"
+                     + "\n".join(sorted(bad)))
 
 
 def test_elastic_never_imports_torch_distributed():

@@ -230,21 +230,48 @@ def test_hooks_route_by_marker_and_restore(tmp_path):
     from megatron.core.dist_checkpointing import serialization
 
     from elastor_mcore.integrations.megatron_lm import hooks
+    from elastor_mcore.integrations.megatron_lm.installation import ElastorOptions
+    from elastor_mcore.integrations.megatron_lm.zarr_format import ZarrLoadStrategy
 
     original = dist_checkpointing.load_common_state_dict
     zarr_dir = tmp_path / "iter_0000001"
     zarr_dir.mkdir()
     torch.save({"iteration": 1}, zarr_dir / megatron_dir.COMMON_FILE)
     megatron_dir.write_config(zarr_dir)
-    hooks.install(hooks.ElastorOptions(ckpt_format="zarr"))
+    hooks.install(ElastorOptions(ckpt_format="zarr"))
     try:
         assert dist_checkpointing.load_common_state_dict(str(zarr_dir)) == {"iteration": 1}
         assert isinstance(serialization.get_default_load_sharded_strategy(str(zarr_dir)),
-                          hooks.ZarrLoadStrategy)
+                          ZarrLoadStrategy)
         assert dist_checkpointing.check_is_distributed_checkpoint(str(zarr_dir))
     finally:
         hooks.uninstall()
     assert dist_checkpointing.load_common_state_dict is original
+
+
+def test_docs_list_every_replacement_in_run_order():
+    """docs/megatron-lm.md's table names what ``hooks.PATCHES`` replaces, in its order."""
+    from elastor_mcore.integrations.megatron_lm.hooks import PATCHES
+
+    doc = (REPO / "docs" / "megatron-lm.md").read_text()
+    section = doc.split("## What Elastor replaces in Megatron-LM, in order", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    listed = [row.split("|")[2].strip().strip("`") for row in section.splitlines()
+              if row.startswith("| ") and "`megatron." in row.split("|")[2]]
+    assert listed == [patch.target for patch in PATCHES]
+
+
+def test_translation_imports_neither_megatron_nor_torch():
+    """A launcher can translate Megatron-LM's arguments without Megatron or torch."""
+    code = ("import json, sys\n"
+            "import elastor_mcore.integrations.megatron_lm.translate\n"
+            "print(json.dumps(sorted(m for m in sys.modules\n"
+            "                        if m.split('.')[0] in ('torch', 'megatron'))))")
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == []
 
 
 def test_prune_keeps_the_newest_zarr_checkpoints(tmp_path):
@@ -379,6 +406,8 @@ sys.path.insert(0, sys.argv[1])
 import megatron.training.checkpointing as ckpt
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
 from elastor_mcore.integrations.megatron_lm import hooks
+from elastor_mcore.integrations.megatron_lm.installation import ElastorOptions
+from elastor_mcore.integrations.megatron_lm.zarr_format import ZarrLoadStrategy
 from elastor_mcore.parallel.layout import layout_from_dict
 
 zarr_dir, torch_dist_dir = sys.argv[2], sys.argv[3]
@@ -393,13 +422,13 @@ out = {"file": ckpt.__file__, "names": names,
        "before": ckpt._build_sharded_state_dict_metadata(args, group)["singleton_local_shards"]}
 layout = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
     {"tp": 2, "layers": 8}]}]})
-hooks.install(hooks.ElastorOptions(layout=layout, ckpt_format="zarr"))
+hooks.install(ElastorOptions(layout=layout, ckpt_format="zarr"))
 try:
     out["patched"] = [getattr(ckpt, name) is not originals[name] for name in names]
     out["during"] = ckpt._build_sharded_state_dict_metadata(args, group)["singleton_local_shards"]
     if "get_default_load_sharded_strategy" in names:
         out["zarr"] = isinstance(ckpt.get_default_load_sharded_strategy(zarr_dir),
-                                 hooks.ZarrLoadStrategy)
+                                 ZarrLoadStrategy)
         out["torch_dist"] = isinstance(ckpt.get_default_load_sharded_strategy(torch_dist_dir),
                                        TorchDistLoadShardedStrategy)
 finally:

@@ -275,13 +275,18 @@ def zero_state_bytes(stdout: str) -> dict[int, int]:
 TIED = "<tied embeddings>"
 """In a case's argv: leave ``--untie-embeddings-and-output-weights`` out of
 ``default_args()``."""
+NO_FFN = "<no --ffn-hidden-size>"
+"""In a case's argv: leave ``--ffn-hidden-size`` out (Megatron-LM derives it)."""
 
 
 def _case_argv(argv: list[str]) -> list[str]:
     base = default_args()
     if TIED in argv:
         base.remove("--untie-embeddings-and-output-weights")
-    return base + [a for a in argv if a != TIED]
+    if NO_FFN in argv:
+        at = base.index("--ffn-hidden-size")
+        del base[at:at + 2]
+    return base + [a for a in argv if a not in (TIED, NO_FFN)]
 
 
 def _check_args(megatron_lm: Path, cases: list[tuple[int, list[str]]], tmp_path: Path):
@@ -324,15 +329,42 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
         (4, ["--elastor-layout", str(hetero), "--sequence-parallel"]),
         (1, ["--elastor-ckpt-format", "zarr", "--ckpt-format", "torch"]),
         (1, ["--elastor-ckpt-keep", "-1"]),
+        (4, ["--elastor-layout", "dp2-tp2-pp1", "--sequence-parallel",
+             "--recompute-activations", *DISTOPT, NO_FFN]),
+        (4, ["--elastor-layout", "dp2-tp1-pp2", "--recompute-granularity", "full",
+             "--recompute-method", "uniform", "--recompute-num-layers", "2"]),
+        (4, ["--elastor-layout", "dp1-tp4-pp1", "--sequence-parallel", "--seq-length", "30"]),
+        (4, ["--elastor-layout", "dp2-tp1-pp2", "--recompute-granularity", "full",
+             "--recompute-method", "uniform", "--recompute-num-layers", "3"]),
     ], tmp_path)
     (derived, with_batch, from_file, conflict, bad_batch, idle, virtual, distopt,
-     distopt_reshardable, tied,
-     sequence_parallel, ckpt_format, keep) = results
+     distopt_reshardable, tied, sequence_parallel, ckpt_format, keep,
+     memory, full_recompute, sp_seq_length, recompute_layers) = results
     # Megatron's default global batch (micro-batch x DP) for a shorthand; the file's
     # micro-batch counts otherwise; Megatron's validation passed on each.
-    assert derived == {"exit": 0, "tp": 2, "pp": 1, "dp": 2, "gbs": 2}
-    assert with_batch == {"exit": 0, "tp": 2, "pp": 1, "dp": 2, "gbs": 16}
-    assert from_file == {"exit": 0, "tp": 2, "pp": 2, "dp": 2, "gbs": 16}
+    plain = {"ffn_hidden_size": 192, "params_dtype": "float32", "sequence_parallel": False,
+             "distributed_optimizer": False, "recompute": [None, None, None]}
+    assert derived == {"exit": 0, "tp": 2, "pp": 1, "dp": 2, "gbs": 2,
+                       "recipe": {"parsed": plain, "validated": plain}}
+    assert {k: v for k, v in with_batch.items() if k != "recipe"} == {
+        "exit": 0, "tp": 2, "pp": 1, "dp": 2, "gbs": 16}
+    assert {k: v for k, v in from_file.items() if k != "recipe"} == {
+        "exit": 0, "tp": 2, "pp": 2, "dp": 2, "gbs": 16}
+    # The recipe carries what the planner and Layout.validate need, the same before and
+    # after Megatron's validation (which derives the FFN width and turns
+    # --recompute-activations into selective recompute).
+    assert memory["exit"] == 0, memory
+    for when in ("parsed", "validated"):
+        assert memory["recipe"][when] == {**plain, "ffn_hidden_size": 128,
+                                          "sequence_parallel": True,
+                                          "distributed_optimizer": True,
+                                          "recompute": ["selective", None, None]}, memory
+        assert full_recompute["recipe"][when]["recompute"] == ["full", "uniform", 2], \
+            full_recompute
+    assert sp_seq_length["exit"] == 2 and "does not divide model.seq_length=30" in \
+        sp_seq_length["error"] and "sequence_parallel" in sp_seq_length["error"], sp_seq_length
+    assert recompute_layers["exit"] == 2 and "recompute_num_layers=3" in \
+        recompute_layers["error"], recompute_layers
     assert conflict["exit"] == 2 and "--tensor-model-parallel-size 1 conflicts with " \
         "--elastor-layout dp2-tp2-pp1" in conflict["error"], conflict
     assert bad_batch["exit"] == 2 and "micro_batches" in bad_batch["error"], bad_batch

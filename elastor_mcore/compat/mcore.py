@@ -4,7 +4,8 @@ Nothing else in the package checks mcore's version or probes for attributes that
 only some versions have. Two things live here:
 
 * ``install_parallel_state``: sets *every* process-group global and rank/world-size
-  override that the installed ``megatron.core.parallel_state`` defines. The list is
+  override that the installed ``megatron.core.parallel_state`` defines; the only
+  code of the package that writes them, called only by ``parallel.groups.install``. The list is
   read from the module (its ``_UPPER_CASE`` globals), not kept by hand: each name is
   decomposed into an axis (tensor, pipeline, data, …) and a kind (group, ranks,
   override, …) and given this rank's value for that axis. A global we cannot

@@ -17,7 +17,10 @@ pipeline ``p``:
 * ``active``: every rank the layout uses (loss and gradient-norm reductions).
 
 ``install`` gives every ``parallel_state`` global of the installed Megatron-Core one of
-these (``elastor_mcore.compat.mcore`` decides which, per version).
+these; it is the one way elastor changes ``parallel_state``, for its own runtime and
+for Megatron-LM's (whose ``initialize_model_parallel`` the integration replaces by a
+call to it). ``elastor_mcore.compat.mcore.install_parallel_state`` does the writing
+and decides which group each global gets, per version.
 
 Groups with the same members are created once and shared.
 """
@@ -179,7 +182,8 @@ def rank_axes(groups: RankGroups):
 
 def install(groups: RankGroups):
     """Point ``megatron.core.parallel_state`` at this rank's groups and return the
-    matching ``ProcessGroupCollection`` (passed explicitly to the model as well).
+    matching ``ProcessGroupCollection`` (passed explicitly to the model as well). Any
+    groups installed before (elastor's or mcore's own) are replaced, not destroyed.
 
     Every process-group global, ranks list and rank/world-size override the installed
     mcore defines is set (``compat.mcore.install_parallel_state``): module globals

@@ -57,15 +57,16 @@ def hooked_stage(recipe, layout_dict, options_kwargs):
     from megatron.core import parallel_state
 
     from elastor_mcore.integrations.megatron_lm import hooks
+    from elastor_mcore.integrations.megatron_lm.installation import ElastorOptions
     from elastor_mcore.parallel.layout import layout_from_dict
     from elastor_mcore.runtime.model import build_stage_model
 
     layout = layout_from_dict(layout_dict)
     layout.validate(recipe)
-    hooks.install(hooks.ElastorOptions(layout=layout, **options_kwargs))
+    installation = hooks.install(ElastorOptions(layout=layout, **options_kwargs))
     parallel_state.initialize_model_parallel()
-    groups = hooks.rank_groups()
-    return groups, build_stage_model(recipe, groups, hooks.pg_collection())
+    groups = installation.groups
+    return groups, build_stage_model(recipe, groups, installation.pg_collection)
 
 
 def mcore_stage(recipe):
@@ -74,9 +75,10 @@ def mcore_stage(recipe):
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from elastor_mcore.integrations.megatron_lm import hooks
+    from elastor_mcore.integrations.megatron_lm.installation import ElastorOptions
     from elastor_mcore.runtime.model import layer_spec, transformer_config
 
-    hooks.install(hooks.ElastorOptions())
+    hooks.install(ElastorOptions())
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=2,
                                  pipeline_model_parallel_size=2)

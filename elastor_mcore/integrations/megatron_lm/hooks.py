@@ -1,232 +1,229 @@
-"""Install Elastor into a Megatron-Core process: Elastor's parallel state in place of
-``parallel_state.initialize_model_parallel``, and the zarr format behind
-``dist_checkpointing.save/load``.
+"""Every Megatron-LM and Megatron-Core function Elastor replaces, in the order a
+``pretrain_gpt.py`` run first calls them (``PATCHES``), and ``install``, which
+replaces them.
 
-Everything is done by replacing module attributes, because Megatron-LM looks them up
-at call time (``mpu.initialize_model_parallel(...)``, ``dist_checkpointing.save(...)``).
-Names other modules imported by value are replaced there too:
-``serialization.load_common_state_dict`` (used by ``load_content_metadata``) and
-``get_default_load_sharded_strategy`` (imported by ``megatron.training.checkpointing``
-at core_v0.16.1, which would fail on the unknown backend of a zarr checkpoint). At
-core_v0.19.0 ``checkpointing.py`` builds ``TorchDistLoadShardedStrategy`` itself and
-hands it to ``dist_checkpointing.load``; the patched ``load`` looks at the checkpoint's
-marker before any strategy is used, so zarr loads go through it on both releases.
-Under a layout, Megatron-LM's ``_build_sharded_state_dict_metadata`` also asks for per-layer keys.
+Functions are replaced as module attributes because Megatron looks them up at call
+time (``mpu.initialize_model_parallel(...)``, ``dist_checkpointing.save(...)``); a
+name another module imported by value is replaced in that module too. A name the
+installed release does not have is skipped (``PATCHES`` names which release has it).
+Each replacement calls the original unless Elastor's options say otherwise, so
+without ``--elastor-*`` flags Megatron runs as it would without Elastor.
 
-Loads dispatch on the checkpoint's ``metadata.json`` marker, so torch_dist checkpoints
-keep loading while saves go to zarr. Options may be given directly (tests, custom
-scripts) or as a provider called on first use (Megatron-LM parses its arguments only
-inside ``pretrain``).
+A run, in order (``docs/megatron-lm.md`` has the same list as a table):
+
+0. Parsing (``args.py``, not a patch): Megatron-LM's parser gets Elastor's flags
+   and, right after it parses, sets TP, PP and the global batch from
+   ``--elastor-layout`` and refuses what cannot run (``translate.py``, and
+   ``training.unsupported_reason`` on a heterogeneous layout).
+1. Validation: ``validate_args`` checks a heterogeneous layout's placeholders as one
+   rank.
+2. Parallel state: ``initialize_model_parallel`` installs the layout's groups, then
+   rewrites each rank's arguments to its stage.
+3. Model and optimizer: the model config is rebuilt from the adapted arguments,
+   replicas are made equal and ZeRO-1 spans pipelines.
+4. Loading (``--load``): the tracker and checkpoint on object storage, zarr
+   checkpoints read, per-layer keys.
+5. Training: data per pipeline, Elastor's schedule, the global gradient norm.
+6. Saving (``--save``): zarr, foreground or async, to a directory or ``s3://``.
+
+The state every replacement shares is one ``installation.Installation``; its options
+are read on first use (Megatron-LM parses its arguments after ``install``).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from elastor_mcore.checkpoint import megatron_dir
-from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install as install_groups
-from elastor_mcore.parallel.layout import Layout
-from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
+from elastor_mcore.integrations.megatron_lm import object_storage, training, zarr_format
+from elastor_mcore.integrations.megatron_lm.installation import (
+    ElastorOptions, Installation, OnParallelState)
+from elastor_mcore.parallel.groups import GroupCache, build_groups, install as install_groups
 
 log = logging.getLogger(__name__)
 
-CKPT_FORMATS = ("zarr",)
+Make = Callable[[Any, Installation], Any]
+"""``make(original, installation)``: the replacement of one function."""
 
 
 @dataclass(frozen=True)
-class ElastorOptions:
-    """What the hooks do in this process."""
+class Patch:
+    """``module.name`` is replaced by ``make(original, installation)``."""
 
-    layout: Layout | None = None
-    """Build this layout's groups instead of Megatron's uniform grid (None: Megatron's)."""
-    ckpt_format: str | None = None
-    """``"zarr"`` saves in the elastor format; None leaves saving to Megatron-Core."""
-    save: ZarrSaveSettings = field(default_factory=ZarrSaveSettings)
+    module: str
+    name: str
+    make: Make
+    when: str
+    """When Megatron calls it (first), and which release has it if not both."""
+    why: str
+    megatron_lm: bool = True
+    """Part of Megatron-LM's training (skipped where ``megatron.training`` is not
+    importable, e.g. a script on Megatron-Core alone)."""
 
-    def __post_init__(self) -> None:
-        if self.ckpt_format not in (None, *CKPT_FORMATS):
-            raise ValueError(f"ckpt_format={self.ckpt_format!r}: use one of {CKPT_FORMATS} "
-                             f"or None")
-
-
-@dataclass
-class _Installed:
-    provider: Callable[[], ElastorOptions]
-    on_parallel_state: Callable[[RankGroups | None], None] | None
-    originals: list[tuple[Any, str, Any]]
-    options: ElastorOptions | None = None
-    groups: RankGroups | None = None
-    pg_collection: Any = None
+    @property
+    def target(self) -> str:
+        return f"{self.module}.{self.name}"
 
 
-_installed: _Installed | None = None
+def stateless(make: Callable[[Any], Any]) -> Make:
+    """A replacement that needs only the original."""
+    return lambda original, installation: make(original)
 
 
-class ZarrLoadStrategy:
-    """Stands for "read the elastor zarr format" where Megatron-LM builds a load
-    strategy (it may wrap it, e.g. in ``FullyParallelLoadStrategyWrapper``); the
-    patched ``load`` reads zarr checkpoints itself and never calls it."""
+def wrap_initialize(original: Callable, installation: Installation) -> Callable:
+    """Under a layout: build its groups (collective over the world), install this
+    rank's into ``parallel_state`` (``parallel.groups.install``, the one writer of its
+    globals), then hand them to ``on_parallel_state``."""
+    def initialize_model_parallel(*args, **kwargs):
+        layout = installation.layout
+        if layout is None:
+            return original(*args, **kwargs)
+        groups = build_groups(layout, GroupCache())
+        installation.groups = groups
+        installation.pg_collection = install_groups(groups) if groups is not None else None
+        log.info("rank installed for layout %s", layout.describe())
+        if installation.on_parallel_state is not None:
+            installation.on_parallel_state(groups, layout)
+        return None
+    return initialize_model_parallel
 
-    backend = megatron_dir.BACKEND
-    version = megatron_dir.BACKEND_VERSION
-    can_handle_sharded_objects = True
+
+_CKPT = "megatron.training.checkpointing"
+_DIST = "megatron.core.dist_checkpointing"
+_SERIALIZATION = "megatron.core.dist_checkpointing.serialization"
+_TRAINING = "megatron.training.training"
+_TRACKER = "the tracker latest_checkpointed_iteration.txt may be an s3:// object"
+
+PATCHES: tuple[Patch, ...] = (
+    # 1. validation
+    Patch("megatron.training.arguments", "validate_args", stateless(training.wrap_validate),
+          "parse_and_validate_args, before pretrain (core_v0.19.0)",
+          "a heterogeneous layout's placeholder TP 1 x PP 1 is validated as one rank, so "
+          "its data-parallel size (1) divides any global batch"),
+    Patch("megatron.training.initialize", "validate_args", stateless(training.wrap_validate),
+          "initialize_megatron, inside pretrain (core_v0.16.1)", "the same"),
+    # 2. parallel state
+    Patch("megatron.core.parallel_state", "initialize_model_parallel", wrap_initialize,
+          "initialize_megatron, once torch.distributed is up",
+          "the layout's groups instead of Megatron's uniform grid; then this rank's "
+          "arguments become its stage's (TP, PP, layers per stage, data-parallel size, "
+          "micro-batch count, layout-independent vocabulary padding; args.adapt_args)",
+          megatron_lm=False),
+    # 3. model and optimizer
+    Patch(_TRAINING, "setup_model_and_optimizer", training.wrap_setup_model,
+          "pretrain, before the model is built",
+          "core_v0.19.0's pretrain_gpt.py built the model config before the parallel state "
+          "existed; under a layout it is rebuilt from this rank's adapted arguments"),
+    Patch(_TRAINING, "get_megatron_optimizer", training.wrap_get_optimizer,
+          "setup_model_and_optimizer, once the model exists",
+          "heterogeneous: every weight held in several pipelines takes its lowest-ranked "
+          "holder's initial values; --use-distributed-optimizer becomes ZeRO-1 across "
+          "pipelines (zero_optimizer.py)"),
+    # 4. loading
+    Patch(_CKPT, "isfile", stateless(object_storage.wrap_isfile),
+          "load_checkpoint: does the tracker exist (core_v0.16.1)", _TRACKER),
+    Patch(_CKPT, "open_file", stateless(object_storage.wrap_open),
+          "load_checkpoint reads the tracker, save_checkpoint writes it (core_v0.16.1)",
+          _TRACKER),
+    Patch(_CKPT, "maybe_msc", stateless(object_storage.ObjectStoreAwareClient),
+          "the tracker's existence, read and write (core_v0.19.0)", _TRACKER),
+    Patch(_CKPT, "_get_checkpoint_format", stateless(object_storage.wrap_checkpoint_format),
+          "load_checkpoint, for the checkpoint's format",
+          "a checkpoint on object storage must be an elastor zarr one"),
+    Patch(_DIST, "check_is_distributed_checkpoint",
+          stateless(object_storage.wrap_is_distributed),
+          "the same, and finding rank 0's checkpoint", "it may be an s3:// URL"),
+    Patch(_DIST, "load_common_state_dict", stateless(zarr_format.wrap_load_common),
+          "load_checkpoint: rank 0 reads the saved arguments and iteration",
+          "a zarr checkpoint keeps its common state in its own common.pt", megatron_lm=False),
+    Patch(_SERIALIZATION, "load_common_state_dict", stateless(zarr_format.wrap_load_common),
+          "load_content_metadata", "the same", megatron_lm=False),
+    Patch(_CKPT, "_build_sharded_state_dict_metadata", zarr_format.wrap_sharded_metadata,
+          "load_checkpoint and save_checkpoint, before the sharded state dict",
+          "per-layer keys under a layout: with stacked layer keys a heterogeneous layout's "
+          "shards of one tensor overlap inconsistently"),
+    Patch(_SERIALIZATION, "get_default_load_sharded_strategy",
+          stateless(zarr_format.wrap_load_strategy),
+          "load_checkpoint, before the load",
+          "a zarr checkpoint's backend is unknown to Megatron-Core's strategies",
+          megatron_lm=False),
+    Patch(_CKPT, "get_default_load_sharded_strategy", stateless(zarr_format.wrap_load_strategy),
+          "the same, imported by value (core_v0.16.1)", "the same"),
+    Patch(_DIST, "load", stateless(zarr_format.wrap_load), "load_checkpoint",
+          "zarr checkpoints are read by Elastor (any layout); others by Megatron-Core",
+          megatron_lm=False),
+    Patch(_SERIALIZATION, "load", stateless(zarr_format.wrap_load), "the same",
+          "the same", megatron_lm=False),
+    # 5. training
+    Patch(_TRAINING, "build_pretraining_data_loader", training.wrap_data_loader,
+          "pretrain, after the model",
+          "heterogeneous: each pipeline reads its slice of every global batch"),
+    Patch(_TRAINING, "train", training.wrap_train, "pretrain, once",
+          "heterogeneous: refuses several optimizers (the global norm is given to one)"),
+    Patch(_TRAINING, "get_forward_backward_func", training.wrap_schedule_getter,
+          "every step",
+          "heterogeneous: Elastor's 1F1B with its P2P between stages of different TP and "
+          "the gradient reduction across pipelines"),
+    Patch("megatron.core.optimizer.optimizer", "get_grad_norm_fp32", training.wrap_grad_norm,
+          "every step, in the optimizer",
+          "heterogeneous: the global norm the schedule computed over every rank"),
+    # 6. saving
+    Patch(_CKPT, "ensure_directory_exists", stateless(object_storage.wrap_ensure_directory),
+          "save_checkpoint", "object-store prefixes need no directory"),
+    Patch(_DIST, "save", zarr_format.wrap_save, "save_checkpoint",
+          "--elastor-ckpt-format zarr: the elastor zarr format, async under --async-save",
+          megatron_lm=False),
+    Patch(_SERIALIZATION, "save", zarr_format.wrap_save, "the same", "the same",
+          megatron_lm=False),
+)
+"""In the order of a run's first call (``docs/megatron-lm.md`` lists the same)."""
+
+_installed: Installation | None = None
+"""This process's installation (one at most)."""
 
 
 def install(options: ElastorOptions | Callable[[], ElastorOptions],
-            on_parallel_state: Callable[[RankGroups | None], None] | None = None) -> None:
-    """Patch Megatron-Core (and ``megatron.training`` when importable); idempotent per
-    process: a second call replaces the options. ``on_parallel_state`` runs after the
-    layout's groups are installed (Megatron-LM uses it to adapt its arguments)."""
+            on_parallel_state: OnParallelState | None = None) -> Installation:
+    """Apply ``PATCHES`` (those of Megatron-LM only where ``megatron.training`` is
+    importable). Once per process: a second call replaces the options. Options may be
+    given directly (tests, custom scripts) or as a provider called on first use."""
     global _installed
     provider = options if callable(options) else (lambda: options)
     if _installed is not None:
-        _installed.provider, _installed.options = provider, None
-        _installed.on_parallel_state = on_parallel_state
-        return
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.dist_checkpointing import serialization
+        _installed.reconfigure(provider, on_parallel_state)
+        return _installed
+    installation = Installation(provider, on_parallel_state)
+    megatron_lm = _megatron_lm_importable()
+    for patch in PATCHES:
+        if patch.megatron_lm and not megatron_lm:
+            continue
+        module = importlib.import_module(patch.module)
+        if not hasattr(module, patch.name):
+            log.debug("%s: not in this release", patch.target)
+            continue
+        original = getattr(module, patch.name)
+        installation.originals.append((module, patch.name, original))
+        setattr(module, patch.name, patch.make(original, installation))
+        log.debug("replaced %s (called %s): %s", patch.target, patch.when, patch.why)
+    _installed = installation
+    return installation
 
-    originals: list[tuple[Any, str, Any]] = []
 
-    def patch(module, name: str, make: Callable[[Any], Any]) -> None:
-        if hasattr(module, name):
-            original = getattr(module, name)
-            originals.append((module, name, original))
-            setattr(module, name, make(original))
-
-    patch(parallel_state, "initialize_model_parallel", _wrap_initialize)
-    for module in (dist_checkpointing, serialization):
-        patch(module, "save", _wrap_save)
-        patch(module, "load", _wrap_load)
-        patch(module, "load_common_state_dict", _wrap_load_common)
-    patch(serialization, "get_default_load_sharded_strategy", _wrap_load_strategy)
+def _megatron_lm_importable() -> bool:
     try:
-        from megatron.training import checkpointing as training_ckpt
+        importlib.import_module(_CKPT)
     except ImportError:
-        log.debug("megatron.training is not importable; patched Megatron-Core only")
-    else:
-        patch(training_ckpt, "get_default_load_sharded_strategy", _wrap_load_strategy)
-        patch(training_ckpt, "_build_sharded_state_dict_metadata", _wrap_sd_metadata)
-        from elastor_mcore.integrations.megatron_lm import object_storage  # s3:// --save
-        object_storage.install(patch, training_ckpt)
-        from elastor_mcore.integrations.megatron_lm import training  # heterogeneous loop
-        training.install(patch, rank_groups, lambda: options().layout)
-    _installed = _Installed(provider, on_parallel_state, originals)
+        log.debug("megatron.training is not importable; patching Megatron-Core only")
+        return False
+    return True
 
 
 def uninstall() -> None:
-    """Restore every patched attribute (tests; a process normally keeps the hooks)."""
+    """Restore every replaced function (tests; a process normally keeps them)."""
     global _installed
     if _installed is not None:
         for module, name, original in reversed(_installed.originals):
             setattr(module, name, original)
         _installed = None
-
-
-def options() -> ElastorOptions:
-    """The options in force (the provider is called once, on first use)."""
-    if _installed is None:
-        raise RuntimeError("elastor hooks are not installed; call hooks.install()")
-    if _installed.options is None:
-        _installed.options = _installed.provider()
-    return _installed.options
-
-
-def rank_groups() -> RankGroups | None:
-    """This rank's groups from the installed layout (None: idle, or no layout)."""
-    return _installed.groups if _installed else None
-
-
-def pg_collection():
-    """The ``ProcessGroupCollection`` of this rank under the installed layout."""
-    return _installed.pg_collection if _installed else None
-
-
-def initialize_parallel_state(layout: Layout, cache: GroupCache | None = None):
-    """Build ``layout``'s groups (collective over the world) and install this rank's
-    into ``parallel_state``; returns (groups, pg_collection), (None, None) if idle."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    groups = build_groups(layout, cache or GroupCache())
-    pg = install_groups(groups) if groups is not None else None
-    if _installed is not None:
-        _installed.groups, _installed.pg_collection = groups, pg
-    log.info("rank installed for layout %s", layout.describe())
-    return groups, pg
-
-
-# ----------------------------------------------------------------- replacement functions
-
-
-def _wrap_initialize(original):
-    def initialize_model_parallel(*args, **kwargs):
-        layout = options().layout
-        if layout is None:
-            return original(*args, **kwargs)
-        groups, _ = initialize_parallel_state(layout)
-        if _installed.on_parallel_state is not None:
-            _installed.on_parallel_state(groups)
-        return None
-    return initialize_model_parallel
-
-
-def _wrap_save(original):
-    def save(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        if options().ckpt_format != "zarr":
-            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        content_metadata = kwargs.get("content_metadata")
-        if kwargs.get("async_sharded_save"):
-            return megatron_dir.async_save(sharded_state_dict, checkpoint_dir,
-                                            options().save, content_metadata=content_metadata)
-        megatron_dir.save(sharded_state_dict, checkpoint_dir, options().save,
-                           content_metadata=content_metadata)
-        return None
-    return save
-
-
-def _wrap_load(original):
-    def load(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        if not megatron_dir.is_zarr_checkpoint(checkpoint_dir):
-            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        from megatron.core.dist_checkpointing.validation import (
-            StrictHandling, parse_strict_flag)
-
-        strict = kwargs.get("strict", args[3] if len(args) > 3 else
-                            StrictHandling.ASSUME_OK_UNEXPECTED)
-        state = megatron_dir.load(sharded_state_dict, checkpoint_dir)
-        if StrictHandling.requires_returning_mismatch_keys(parse_strict_flag(strict)):
-            return state, set(), set()
-        return state
-    return load
-
-
-def _wrap_load_common(original):
-    def load_common_state_dict(checkpoint_dir):
-        if megatron_dir.is_zarr_checkpoint(checkpoint_dir):
-            return megatron_dir.load_common_state_dict(checkpoint_dir)
-        return original(checkpoint_dir)
-    return load_common_state_dict
-
-
-def _wrap_load_strategy(original):
-    def get_default_load_sharded_strategy(checkpoint_dir, *args, **kwargs):
-        if megatron_dir.is_zarr_checkpoint(checkpoint_dir):
-            return ZarrLoadStrategy()
-        return original(checkpoint_dir, *args, **kwargs)
-    return get_default_load_sharded_strategy
-
-
-def _wrap_sd_metadata(original):
-    """Per-layer keys whenever a layout is installed: with stacked layer keys a
-    heterogeneous layout's shards of one key overlap inconsistently."""
-    def build_metadata(*args, **kwargs):
-        metadata = original(*args, **kwargs)
-        if options().layout is not None:
-            metadata["singleton_local_shards"] = True
-        return metadata
-    return build_metadata
-

@@ -17,33 +17,18 @@ The tensors, ``common.pt`` and the ShardedObjects go through the patched
 ``dist_checkpointing.save/load`` (``checkpoint.megatron_dir``), which take URLs; Megatron-LM
 writes the tracker after the save is committed, as on a file system. Everything else
 (``--save-retain-interval``'s ``shutil.rmtree``, torch_dist's own writer) stays local
-and is refused for URLs when the arguments are parsed (``args.check_checkpoint_flags``).
+and is refused for URLs when the arguments are parsed (``translate.check_checkpoint_flags``).
+``hooks.PATCHES`` lists where each replacement goes.
 """
 
 from __future__ import annotations
-
-from typing import Any, Callable
 
 from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.checkpoint.format import CheckpointError
 from elastor_mcore.checkpoint.storage import as_path, is_url, open_location
 
 
-def install(patch: Callable[[Any, str, Callable], None], training_ckpt) -> None:
-    """Wrap the names of ``megatron.training.checkpointing`` that exist in this release
-    (``patch`` skips the others), and mcore's ``check_is_distributed_checkpoint``, which
-    it calls to find rank 0's checkpoint."""
-    from megatron.core import dist_checkpointing
-
-    patch(dist_checkpointing, "check_is_distributed_checkpoint", _wrap_is_distributed)
-    patch(training_ckpt, "ensure_directory_exists", _wrap_ensure_directory)
-    patch(training_ckpt, "isfile", _wrap_isfile)
-    patch(training_ckpt, "open_file", _wrap_open)
-    patch(training_ckpt, "maybe_msc", ObjectStoreAwareClient)
-    patch(training_ckpt, "_get_checkpoint_format", _wrap_checkpoint_format)
-
-
-def _wrap_is_distributed(original):
+def wrap_is_distributed(original):
     def check_is_distributed_checkpoint(checkpoint_dir) -> bool:
         if not is_url(checkpoint_dir):
             return original(checkpoint_dir)
@@ -51,7 +36,7 @@ def _wrap_is_distributed(original):
     return check_is_distributed_checkpoint
 
 
-def _wrap_ensure_directory(original):
+def wrap_ensure_directory(original):
     def ensure_directory_exists(filename, check_parent=True):
         if not is_url(filename):
             return original(filename, check_parent)
@@ -59,13 +44,13 @@ def _wrap_ensure_directory(original):
     return ensure_directory_exists
 
 
-def _wrap_isfile(original):
+def wrap_isfile(original):
     def isfile(filename) -> bool:
         return as_path(filename).is_file() if is_url(filename) else original(filename)
     return isfile
 
 
-def _wrap_open(original):
+def wrap_open(original):
     def open_file(path, mode="r", *args, **kwargs):
         if is_url(path):
             return open_location(path, mode)
@@ -73,7 +58,7 @@ def _wrap_open(original):
     return open_file
 
 
-def _wrap_checkpoint_format(original):
+def wrap_checkpoint_format(original):
     def _get_checkpoint_format(checkpoint_name, args):
         if not is_url(checkpoint_name):
             return original(checkpoint_name, args)

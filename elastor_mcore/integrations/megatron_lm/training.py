@@ -5,9 +5,10 @@ Megatron-LM's loop assumes identical pipelines: one TP degree per pipeline, ever
 pipeline running ``get_num_microbatches()`` micro-batches, the data-parallel group
 reducing gradients and losses, the data sampler splitting every batch evenly over
 that group. Under a layout Megatron-LM cannot train (``Layout.is_uniform`` false),
-these hooks replace exactly those parts and leave the rest of the loop (arguments,
-model provider, ``forward_step_func`` and its loss function, optimizer, lr schedule,
-logging, checkpoints) as it is:
+the replacements here (``hooks.PATCHES`` lists them in run order with the others; their
+state is the process's ``Installation``) replace exactly those parts and leave the rest
+of the loop (arguments, model provider, ``forward_step_func`` and its loss function,
+optimizer, lr schedule, logging, checkpoints) as it is:
 
 * **Schedule.** ``get_forward_backward_func`` returns ``forward_backward``: Elastor's
   1F1B (``runtime/schedule.py``) over the layout's micro-batch count of this rank's
@@ -39,7 +40,7 @@ logging, checkpoints) as it is:
   schedule then advance by the global batch on every rank.
 * **Model config.** At core_r0.19.0 ``pretrain_gpt.py`` builds the model config before
   the parallel state exists; under any layout it is rebuilt from this rank's adapted
-  arguments before the model is (``_wrap_setup_model``).
+  arguments before the model is (``wrap_setup_model``).
 
 * **Initial weights.** Megatron seeds each pipeline stage's initialisation by its
   pipeline rank, so pipelines of different shapes start with different values of the
@@ -61,16 +62,19 @@ before training by ``unsupported_reason``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from elastor_mcore.data.samples import pipeline_sample_indices
-from elastor_mcore.parallel.groups import GroupCache, RankGroups
+from elastor_mcore.integrations.megatron_lm.installation import Installation, ScheduleState
+from elastor_mcore.integrations.megatron_lm.translate import is_heterogeneous
+from elastor_mcore.parallel.groups import RankGroups, replica_ranks
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.distributed_optimizer import ShardPlan, ZeroShards
 from elastor_mcore.runtime.grad_sync import GradientSynchronizer, broadcast_replicas
@@ -78,9 +82,6 @@ from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.runtime.schedule import run_1f1b
 
 log = logging.getLogger(__name__)
-
-Patch = Callable[[Any, str, Callable[[Any], Any]], None]
-"""``patch(module, name, make)``: replace ``module.name`` by ``make(original)``."""
 
 
 def unsupported_reason(layout: Layout, args) -> str | None:
@@ -150,68 +151,13 @@ def unsupported_reason(layout: Layout, args) -> str | None:
 
 def replica_count(layout: Layout, rank: int) -> int:
     """The size of ``rank``'s data-parallel group (its exact replicas)."""
-    from elastor_mcore.parallel.groups import replica_ranks
-
     return len(replica_ranks(layout, rank))
 
 
-# ------------------------------------------------------------------------ installation
+# ----------------------------------------------------------------------- replacements
 
 
-def install(patch: Patch, groups: Callable[[], RankGroups | None],
-            layout: Callable[[], Layout | None]) -> None:
-    """Patch Megatron-LM's loop (``megatron.training.training``) and the optimizer's
-    gradient norm. The patches act only while ``layout()`` is heterogeneous;
-    ``groups()`` is this rank's installed groups."""
-    from megatron.core.optimizer import optimizer as mcore_optimizer
-    from megatron.training import arguments, initialize, training
-
-    global _state
-    _state = _State(groups, layout)
-    patch(training, "setup_model_and_optimizer", _wrap_setup_model)
-    patch(training, "get_megatron_optimizer", _wrap_get_optimizer)
-    patch(arguments, "validate_args", _wrap_validate)    # core_r0.19.0's call site
-    patch(initialize, "validate_args", _wrap_validate)   # core_v0.16.1's
-    patch(training, "train", _wrap_train)
-    patch(training, "get_forward_backward_func", _wrap_schedule_getter)
-    patch(training, "build_pretraining_data_loader", _wrap_data_loader)
-    patch(mcore_optimizer, "get_grad_norm_fp32", _wrap_grad_norm)
-
-
-@dataclass
-class _Stage:
-    """What the schedule keeps between steps (built on the first step: collective)."""
-
-    groups: RankGroups
-    grad_sync: GradientSynchronizer | ZeroShards
-    comm: StageCommunicator
-    last_stages: Any            # every rank of every last stage (the loss reports)
-    norm: float | None = None   # this step's global gradient norm
-
-
-@dataclass
-class _State:
-    groups: Callable[[], RankGroups | None]
-    layout: Callable[[], Layout | None]
-    stage: _Stage | None = None
-    zero: ZeroShards | None = None
-    """The ZeRO-1 shards under ``--use-distributed-optimizer`` (built with the optimizer)."""
-    cache: GroupCache = field(default_factory=GroupCache)
-    """The groups of the start-up weight broadcast and of every step (created once)."""
-
-    def active(self) -> bool:
-        layout = self.layout()
-        return layout is not None and not layout.is_uniform
-
-
-_state: _State | None = None
-
-
-def _active() -> bool:
-    return _state is not None and _state.active()
-
-
-def _wrap_setup_model(original):
+def wrap_setup_model(original: Callable, installation: Installation) -> Callable:
     """At core_r0.19.0 ``pretrain_gpt.py`` builds the model config (``cfg_container.model``)
     from the arguments before ``pretrain`` installs the parallel state, i.e. before
     ``adapt_args`` gives this rank its stage: built from it, every stage would hold the
@@ -221,13 +167,13 @@ def _wrap_setup_model(original):
     def setup_model_and_optimizer(*args, **kwargs):
         container = kwargs.get("cfg_container")
         if container is not None and getattr(container, "model", None) is not None \
-                and _state.layout() is not None:
+                and installation.layout is not None:
             container.model = _model_config_from_args(container.model)
         return original(*args, **kwargs)
     return setup_model_and_optimizer
 
 
-def _wrap_validate(original):
+def wrap_validate(original: Callable) -> Callable:
     """Megatron-LM validates a heterogeneous layout's placeholder sizes (TP 1, PP 1)
     before the parallel state exists, and derives from them a data-parallel size of the
     whole world, which its batch checks and micro-batch calculator require the global
@@ -235,8 +181,6 @@ def _wrap_validate(original):
     (data-parallel size 1); ``adapt_args`` sets every rank's own sizes and micro-batch
     count once its stage is known."""
     def validate_args(args, *rest, **kwargs):
-        from elastor_mcore.integrations.megatron_lm.args import is_heterogeneous
-
         if not is_heterogeneous(args):
             return original(args, *rest, **kwargs)
         log.info("heterogeneous --elastor-layout: Megatron-LM validates its placeholder "
@@ -250,7 +194,7 @@ def _wrap_validate(original):
     return validate_args
 
 
-def _wrap_get_optimizer(original):
+def wrap_get_optimizer(original: Callable, installation: Installation) -> Callable:
     """The model's replicas in other pipelines made equal (``broadcast_replicas``) just
     before the optimizer copies the weights (both releases build the model, through
     ``get_model`` or a model builder, then call this with it): a fresh start would
@@ -259,27 +203,28 @@ def _wrap_get_optimizer(original):
     builds its plain optimizer (for its param groups), which ``zero_megatron_optimizer``
     turns into ZeRO-1 across pipelines."""
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
-        if not _active():
+        if not installation.heterogeneous():
             return original(config, model_chunks, *args, **kwargs)
         from megatron.core.utils import unwrap_model
 
         # Unwrapped as Megatron-LM's checkpoints are: the ZeRO-1 state's keys are its.
         model = unwrap_model(_single_chunk(model_chunks))
-        layout = _state.groups().layout
-        received = broadcast_replicas(layout, model, _state.cache)
+        layout = installation.groups.layout
+        received = broadcast_replicas(layout, model, installation.cache)
         log.info("rank %d: %d parameter elements set from their replicas in other "
                  "pipelines", dist.get_rank(), received)
         if not config.use_distributed_optimizer:
             return original(config, model_chunks, *args, **kwargs)
-        from elastor_mcore.integrations.megatron_lm import hooks
         from elastor_mcore.integrations.megatron_lm.zero_optimizer import (
-            zero_megatron_optimizer)
+            zero_megatron_optimizer)  # defines a subclass of Megatron's optimizer
 
         plain = original(dataclasses.replace(config, use_distributed_optimizer=False),
                          model_chunks, *args, **kwargs)
-        plan = ShardPlan.build(layout, model, _state.cache, hooks.options().save.chunking)
-        _state.zero = ZeroShards(plan, _state.cache, next(model.parameters()).device)
-        return zero_megatron_optimizer(plain, _state.zero, lambda: _state.stage.norm)
+        plan = ShardPlan.build(layout, model, installation.cache,
+                               installation.options().save.chunking)
+        installation.zero = ZeroShards(plan, installation.cache, next(model.parameters()).device)
+        return zero_megatron_optimizer(plain, installation.zero,
+                                       lambda: installation.schedule.norm)
     return get_megatron_optimizer
 
 
@@ -295,9 +240,9 @@ def _model_config_from_args(built):
     return gpt_config_from_args(get_args(), model_config_cls=type(built))
 
 
-def _wrap_train(original):
+def wrap_train(original: Callable, installation: Installation) -> Callable:
     def train(forward_step_func, model, optimizer, *args, **kwargs):
-        if _active():
+        if installation.heterogeneous():
             _check_optimizer(optimizer)
         return original(forward_step_func, model, optimizer, *args, **kwargs)
     return train
@@ -312,31 +257,31 @@ def _check_optimizer(optimizer) -> None:
             f"separate optimizer groups)")
 
 
-def _wrap_schedule_getter(original):
+def wrap_schedule_getter(original: Callable, installation: Installation) -> Callable:
     def get_forward_backward_func(*args, **kwargs):
-        if _active():
-            return forward_backward
+        if installation.heterogeneous():
+            return functools.partial(forward_backward, installation)
         return original(*args, **kwargs)
     return get_forward_backward_func
 
 
-def _wrap_grad_norm(original):
+def wrap_grad_norm(original: Callable, installation: Installation) -> Callable:
     def get_grad_norm_fp32(*args, **kwargs):
-        stage = _state.stage if _active() else None
+        stage = installation.schedule if installation.heterogeneous() else None
         if stage is not None and stage.norm is not None:
             return stage.norm
         return original(*args, **kwargs)
     return get_grad_norm_fp32
 
 
-def _wrap_data_loader(original):
+def wrap_data_loader(original: Callable, installation: Installation) -> Callable:
     def build_pretraining_data_loader(dataset, consumed_samples):
-        if dataset is None or not _active():
+        if dataset is None or not installation.heterogeneous():
             return original(dataset, consumed_samples)
         from megatron.training import get_args
 
         args = get_args()
-        groups = _state.groups()
+        groups = installation.groups
         sampler = PipelineBatchSampler(
             groups.layout, groups.position.pipeline, args.global_batch_size,
             args.micro_batch_size, len(dataset), consumed_samples)
@@ -390,19 +335,21 @@ class PipelineBatchSampler:
 # --------------------------------------------------------------------------- schedule
 
 
-def forward_backward(*, forward_step_func, data_iterator, model, forward_only: bool = False,
-                     collect_non_loss_data: bool = False, **_megatron_shape_args) -> list[dict]:
-    """Megatron's ``forward_backward_func`` interface on a heterogeneous layout: the
-    layout's micro-batch count (Megatron's ``num_microbatches`` and tensor shapes are
-    ignored), Elastor's 1F1B and P2P, then the cross-pipeline gradient reduction.
-    Returns on a last stage one report summed over the global batch, else []."""
+def forward_backward(installation: Installation, *, forward_step_func, data_iterator, model,
+                     forward_only: bool = False, collect_non_loss_data: bool = False,
+                     **_megatron_shape_args) -> list[dict]:
+    """Megatron's ``forward_backward_func`` interface on a heterogeneous layout (the
+    replaced ``get_forward_backward_func`` binds ``installation``): the layout's
+    micro-batch count (Megatron's ``num_microbatches`` and tensor shapes are ignored),
+    Elastor's 1F1B and P2P, then the cross-pipeline gradient reduction. Returns on a
+    last stage one report summed over the global batch, else []."""
     if collect_non_loss_data:
         raise ValueError("non-loss data collection (--log-... callbacks of "
                          "process_non_loss_data_func) is not supported on a "
                          "heterogeneous layout")
     chunk = _single_chunk(model)
     iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
-    stage = _stage(chunk)
+    stage = _schedule_state(installation, chunk)
     stage.norm = None
     groups = stage.groups
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
@@ -458,18 +405,18 @@ def _loss_parts(outputs) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return loss, torch.as_tensor(num_tokens), report
 
 
-def _stage(chunk) -> _Stage:
+def _schedule_state(installation: Installation, chunk) -> ScheduleState:
     """This rank's schedule state, built on the first call (collective over the world:
     every rank calls the schedule at the same step)."""
-    if _state.stage is not None:
-        return _state.stage
+    if installation.schedule is not None:
+        return installation.schedule
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-    groups = _state.groups()
+    groups = installation.groups
     layout = groups.layout
-    cache = _state.cache
+    cache = installation.cache
     model = get_attr_wrapped_model(chunk, "sharded_state_dict", return_model_obj=True)
-    grad_sync = _state.zero or GradientSynchronizer(layout, model, cache)
+    grad_sync = installation.zero or GradientSynchronizer(layout, model, cache)
     last_stage_ranks = [r for pipe in layout.pipelines for r in pipe.stages[-1].ranks]
     last_stages = cache.get(last_stage_ranks)
     config = get_model_config(chunk)
@@ -480,10 +427,10 @@ def _stage(chunk) -> _Stage:
     dtype = config.pipeline_dtype or config.params_dtype
     device = next(chunk.parameters()).device
     comm = StageCommunicator(stage_links(layout, groups.rank), shape, dtype, device)
-    _state.stage = _Stage(groups, grad_sync, comm, last_stages)
+    installation.schedule = ScheduleState(groups, grad_sync, comm, last_stages)
     log.info("rank %d: Megatron-LM's loop on heterogeneous layout %s", groups.rank,
              layout.describe())
-    return _state.stage
+    return installation.schedule
 
 
 def _contributes(groups: RankGroups) -> bool:
@@ -492,7 +439,7 @@ def _contributes(groups: RankGroups) -> bool:
 
 
 @torch.no_grad()
-def _finalize_grads(stage: _Stage, tokens: torch.Tensor) -> None:
+def _finalize_grads(stage: ScheduleState, tokens: torch.Tensor) -> None:
     """Sum ``main_grad`` over pipelines, divide by the global batch's tokens, and
     compute the global norm every rank's optimizer clips by."""
     groups = stage.groups
@@ -512,7 +459,7 @@ def _finalize_grads(stage: _Stage, tokens: torch.Tensor) -> None:
     stage.norm = norm
 
 
-def _global_report(stage: _Stage, reports: list[dict]) -> list[dict]:
+def _global_report(stage: ScheduleState, reports: list[dict]) -> list[dict]:
     """On last stages, the micro-batches' reports summed over every pipeline (every
     pipeline runs at least one micro-batch, and the same loss function)."""
     if not stage.groups.is_last_stage:
