@@ -55,7 +55,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 from elastor_mcore.planner.cost_model import CostModel, pipeline_time_s, pipelines_fill_s
 
@@ -178,23 +178,32 @@ def _distinct_orders(tps: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 class ShapeBook:
-    """Memoised best pipelines by TP multiset, for one cost model and link kind."""
+    """Memoised best pipelines by TP multiset and pipeline count, for one cost model and
+    link kind.
+
+    The pipeline count (``replicas``) matters only under ZeRO-1, through the memory caps:
+    a stage's optimizer state is split over the pipelines. Best pipelines are shared
+    between counts whose caps are equal (the split depends on nothing else)."""
 
     def __init__(self, cost: CostModel, intra_node: bool) -> None:
         self.cost = cost
         self.intra_node = intra_node
-        self.best = lru_cache(maxsize=None)(self._best)
         self._stage = lru_cache(maxsize=None)(self._stage_terms)
+        self._by_caps: dict[tuple, PipelineShape | None] = {}
+        self._by_count: dict[tuple[tuple[int, ...], int], PipelineShape | None] = {}
+        self._min_stages: dict[tuple[int, int], int | None] = {}
 
-    def _stage_terms(self, tp: int, position: int, num_stages: int
+    def _stage_terms(self, tp: int, position: int, num_stages: int, replicas: int
                      ) -> tuple[float, float, int]:
-        """(time per layer, fixed time, most layers in memory) of a stage slot."""
+        """(time per layer, fixed time, most layers in memory) of a stage slot in a
+        layout of ``replicas`` pipelines."""
         cost = self.cost
         return (cost.layer_time_s(tp),
                 cost.stage_fixed_s(tp, position, num_stages, self.intra_node),
-                min(cost.max_layers(tp, position, num_stages), cost.num_layers))
+                min(cost.max_layers(tp, position, num_stages, replicas), cost.num_layers))
 
-    def split(self, order: tuple[int, ...]) -> tuple[tuple[int, ...], float] | None:
+    def split(self, order: tuple[int, ...], replicas: int = 1
+              ) -> tuple[tuple[int, ...], float] | None:
         """Exact min-max layer split of an ordered pipeline under memory caps.
 
         Starts from the continuous optimum rounded down (no optimal split has fewer
@@ -204,7 +213,8 @@ class ShapeBook:
         n, total = len(order), self.cost.num_layers
         if n > total:
             return None
-        terms = [self._stage(tp, j, n) for j, tp in enumerate(order)]
+        replicas = self.cost.replica_key(replicas)
+        terms = [self._stage(tp, j, n, replicas) for j, tp in enumerate(order)]
         if min(cap for _, _, cap in terms) < 1 or sum(cap for _, _, cap in terms) < total:
             return None
         t_cont = (total + sum(c / a for a, c, _ in terms)) / sum(1 / a for a, _, _ in terms)
@@ -223,28 +233,39 @@ class ShapeBook:
         bottleneck = max(a * l + c for (a, c, _), l in zip(terms, layers))
         return tuple(layers), bottleneck
 
-    @cached_property
-    def _min_stages_memo(self) -> dict[int, int | None]:
-        return {}
-
-    def min_stages(self, tp: int) -> int | None:
-        """Fewest stages of TP degree ``tp`` that hold the model (None: no count does)."""
-        if tp not in self._min_stages_memo:
+    def min_stages(self, tp: int, replicas: int = 1) -> int | None:
+        """Fewest stages of TP degree ``tp`` that hold the model in a layout of
+        ``replicas`` pipelines (None: no count does)."""
+        key = (tp, self.cost.replica_key(replicas))
+        if key not in self._min_stages:
             found = None
             for n in range(1, self.cost.num_layers + 1):
-                caps = [self._stage(tp, j, n)[2] for j in range(n)]
+                caps = [self._stage(tp, j, n, key[1])[2] for j in range(n)]
                 if caps[0] < 1:  # the first stage only gets tighter with more stages
                     break
                 if min(caps) >= 1 and sum(caps) >= self.cost.num_layers:
                     found = n
                     break
-            self._min_stages_memo[tp] = found
-        return self._min_stages_memo[tp]
+            self._min_stages[key] = found
+        return self._min_stages[key]
 
-    def _best(self, tps: tuple[int, ...]) -> PipelineShape | None:
+    def best(self, tps: tuple[int, ...], replicas: int = 1) -> PipelineShape | None:
+        """The best ordered pipeline of the TP sizes ``tps`` in a layout of ``replicas``
+        pipelines (None: no order fits in memory)."""
+        key = (tps, self.cost.replica_key(replicas))
+        if key not in self._by_count:
+            n = len(tps)
+            caps = tuple(self._stage(tp, j, n, key[1])[2]
+                         for tp in sorted(set(tps)) for j in range(n))
+            if (tps, caps) not in self._by_caps:
+                self._by_caps[tps, caps] = self._best(tps, key[1])
+            self._by_count[key] = self._by_caps[tps, caps]
+        return self._by_count[key]
+
+    def _best(self, tps: tuple[int, ...], replicas: int) -> PipelineShape | None:
         best: PipelineShape | None = None
         for order in _distinct_orders(tps):
-            result = self.split(order)
+            result = self.split(order, replicas)
             if result is None:
                 continue
             layers, bottleneck = result
@@ -346,10 +367,18 @@ class PoolSearch:
                    incumbent: Candidate | None) -> Candidate | None:
         """Every multiset of shapes that fits ``pool`` (plus the ``fixed`` pipelines),
         branch and bound: a partial packing is dropped when even perfectly efficient
-        pipelines on all its remaining groups could not beat the incumbent."""
+        pipelines on all its remaining groups could not beat the incumbent.
+
+        Under ZeRO-1 a stage's memory, and so the best pipeline of a TP multiset, depends
+        on the number of pipelines. The shapes enumerated (and ``fixed``) are the best
+        with the most pipelines the packing can have (``widest``): the loosest memory
+        caps, so every pipeline that fits with fewer is among them and their bottlenecks
+        are at most its own, and the bounds stay lower bounds. Each packing is then
+        evaluated with its pipelines' best shapes for its own count (``resize``)."""
         cost, total = self.cost, self.cost.total_micro_batches
+        widest = sum(c for _, c in fixed) + sum(pool.values())
         shapes = [s for tps in _sub_multisets(pool, max_stages)
-                  if (s := self.book.best(tps)) is not None]
+                  if (s := self.book.best(tps, widest)) is not None]
         shapes.sort(key=lambda s: (-1 / (s.bottleneck_s * s.gpus), s.tps))
         sizes = sorted(pool, reverse=True)
         need = [tuple(s.tps.count(size) for size in sizes) for s in shapes]
@@ -380,9 +409,11 @@ class PoolSearch:
                 return
             if pipes:
                 floor_t = max(s.time_s(s.num_stages) for s, _ in fixed + chosen)
-                if not beaten(max(floor_t, (total + bubble) / rate)
-                              + cost.grad_sync_s(pipes, int(min_gpus), intra)):
-                    candidate = self.evaluate(fixed + chosen, partitions)
+                packing = self.resize(fixed + chosen, pipes)
+                if packing is not None and not beaten(
+                        max(floor_t, (total + bubble) / rate)
+                        + cost.grad_sync_s(pipes, int(min_gpus), intra)):
+                    candidate = self.evaluate(packing, partitions)
                     if candidate is not None and better(best, candidate) is candidate:
                         best = found = candidate
             for j in range(i, len(shapes)):
@@ -401,6 +432,7 @@ class PoolSearch:
                 else:
                     chosen.pop()
 
+        fixed = [(self.book.best(s.tps, widest), c) for s, c in fixed]
         rate0 = sum(c / s.bottleneck_s for s, c in fixed)
         rec(0, [pool[s] for s in sizes], rate0, sum(c * (s.num_stages - 1) for s, c in fixed),
             sum(c * s.num_stages for s, c in fixed), sum(c for _, c in fixed),
@@ -417,7 +449,10 @@ class PoolSearch:
             return None  # not even the weights, gradients and optimizer state fit
         if groups <= EXACT_POOL_GROUPS:
             return self._enumerate(pool, [], groups, partitions, incumbent)
-        min_stages = [n for tp in pool if (n := self.book.min_stages(tp)) is not None]
+        # fewest stages with the optimizer state unsplit (under ZeRO-1 more pipelines may
+        # need fewer, which the window includes), else with it split over every group
+        min_stages = [n for tp in pool if (n := self.book.min_stages(tp, 1)
+                                           or self.book.min_stages(tp, groups)) is not None]
         if not min_stages:
             return None
         max_stages = min(min_stages) + EXTRA_STAGES
@@ -431,6 +466,20 @@ class PoolSearch:
             if candidate is not None:
                 best = found = candidate
         return found
+
+    def resize(self, packing: list[tuple[PipelineShape, int]], pipelines: int
+               ) -> list[tuple[PipelineShape, int]] | None:
+        """The best shapes of ``packing``'s TP multisets in a layout of ``pipelines``
+        pipelines (None if one no longer fits); the same shapes without ZeRO-1."""
+        if not self.cost.shards_optimizer:
+            return packing
+        out = []
+        for shape, copies in packing:
+            sized = self.book.best(shape.tps, pipelines)
+            if sized is None:
+                return None
+            out.append((sized, copies))
+        return out
 
     def _trim(self, residual: dict[int, int]) -> dict[int, int]:
         """Keep the residual small enough to enumerate: smallest groups go idle first."""
@@ -446,17 +495,19 @@ class PoolSearch:
                       ) -> list[list[tuple[PipelineShape, int]]]:
         """Uniform pipelines for each plentiful size: its two best stage counts (by the
         continuous step-time estimate), with all its groups or one pipeline's worth
-        fewer in the bulk (the residual may do better with them)."""
+        fewer in the bulk (the residual may do better with them). Under ZeRO-1 each
+        count is judged in memory with the pipelines of its own (``_enumerate`` sizes
+        the bulk again for each packing's pipeline count)."""
         per_size = []
         for tp in sorted(pool, reverse=True):
             if pool[tp] <= RESIDUAL_GROUPS:
                 continue
             ranked = []
             for n in range(1, min(max_stages, pool[tp]) + 1):
-                shape = self.book.best((tp,) * n)
+                pipes = pool[tp] // n
+                shape = self.book.best((tp,) * n, pipes)
                 if shape is None:
                     continue
-                pipes = pool[tp] // n
                 estimate = (self.cost.total_micro_batches + pipes * (n - 1)) \
                     * shape.bottleneck_s / pipes
                 ranked.append((estimate, n, shape))
