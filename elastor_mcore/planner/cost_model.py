@@ -63,6 +63,7 @@ in-flight micro-batch, plus one chunk's activations while it is recomputed.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -296,12 +297,15 @@ class CostModel:
         return params * per_param * 1e-9
 
     def pipelines_work(self, pipelines: list[tuple[int, list[tuple[int, int]]]],
-                       grad_sync_s: float) -> tuple[float, float]:
+                       grad_sync_s: float, copies: Sequence[int] | None = None
+                       ) -> tuple[float, float]:
         """(slowest optimizer step, CPU seconds of the whole step) of ``[(micro_batches,
-        [(tp, layers), ...]), ...]`` whose gradient all-reduce takes ``grad_sync_s``."""
-        replicas = len(pipelines)
+        [(tp, layers), ...]), ...]`` whose gradient all-reduce takes ``grad_sync_s``;
+        ``copies``: how many alike pipelines each entry stands for (default 1 each)."""
+        copies = [1] * len(pipelines) if copies is None else copies
+        replicas = sum(copies)
         slowest = cpu = 0.0
-        for micro_batches, stages in pipelines:
+        for (micro_batches, stages), alike in zip(pipelines, copies):
             for j, (tp, layers) in enumerate(stages):
                 opt = self._memoised(("opt", tp, layers, j, len(stages), replicas),
                                      lambda: self.stage_optimizer_s(tp, layers, j,
@@ -309,7 +313,7 @@ class CostModel:
                 busy = self._memoised(("cpu", tp, layers, j, len(stages)),
                                       lambda: self.stage_cpu_s(tp, layers, j, len(stages)))
                 slowest = max(slowest, opt)
-                cpu += micro_batches * busy + tp * (opt + grad_sync_s)
+                cpu += alike * (micro_batches * busy + tp * (opt + grad_sync_s))
         return slowest, cpu
 
     @property
@@ -540,16 +544,23 @@ class CostModel:
         """Most layers a stage can hold in memory in a layout of ``replicas`` pipelines
         (0 if not even its fixed part fits), its norms' state split ``replicas`` ways."""
         first, last = position == 0, position == num_stages - 1
-        replicas = self.replica_key(replicas)
-        fixed = self._memoised(
-            ("fixed_bytes", tp, first, last, num_stages - position, replicas), lambda: (
-                self.stage_memory(tp, 0, position, num_stages, replicas).total
-                - self.hardware.memory_reserved_gib * GIB))
-        per_layer = self._memoised(
-            ("layer_bytes", tp, num_stages - position, replicas),
-            lambda: self.layer_memory_bytes(tp, position, num_stages, replicas))
-        room = self.capacity_bytes - fixed
-        return 0 if room < 0 else int(room // per_layer)
+        fixed, fixed_state, per_layer, layer_state = self._memoised(
+            ("memory_terms", tp, first, last, num_stages - position),
+            lambda: self._memory_terms(tp, position, num_stages))
+        share = 1 / self.replica_key(replicas)  # of the optimizer state
+        room = self.capacity_bytes - (fixed - fixed_state * (1 - share))
+        return 0 if room < 0 else int(room // (per_layer - layer_state * (1 - share)))
+
+    def _memory_terms(self, tp: int, position: int, num_stages: int
+                      ) -> tuple[float, float, float, float]:
+        """(bytes of a stage slot without layers, of which optimizer state, bytes one more
+        layer costs, of which optimizer state), the optimizer state unsplit: what
+        ``max_layers`` needs for any number of pipelines (the state scales with 1 /
+        pipelines; the search asks for many)."""
+        empty = self.stage_memory(tp, 0, position, num_stages)
+        return (empty.total - empty.reserved, empty.optimizer,
+                self.layer_memory_bytes(tp, position, num_stages),
+                self._sharded_layer_params(tp) * self._optimizer_bytes)
 
     # ----- whole stages / layouts ------------------------------------------------------
     def stage_cost(self, tp: int, layers: int, position: int, num_stages: int,
@@ -585,15 +596,16 @@ class CostModel:
         ranks holding each of its layers' norms, then the final norm's on the last stage
         (``optimizer_bytes``' ``norm_replicas``): every TP rank of the stage holding
         them, in every pipeline."""
-        per_layer = [0] * self.num_layers
+        change = [0] * (self.num_layers + 1)  # of the holders, from one layer to the next
         final = 0
         for _, stages in pipelines:
             layer = 0
             for tp, layers in stages:
-                for i in range(layer, layer + layers):
-                    per_layer[i] += tp
+                change[layer] += tp
+                change[layer + layers] -= tp
                 layer += layers
             final += stages[-1][0]
+        per_layer = list(itertools.accumulate(change[:-1]))
         out = []
         for _, stages in pipelines:
             layer, counts = 0, []
