@@ -294,6 +294,27 @@ def test_cli_prints_a_diagram_and_writes_the_layout(tmp_path, capsys):
     assert 3 not in layout.ranks and layout.num_gpus == 7
 
 
+def test_cli_says_what_it_assumed_of_the_optimizer_and_shows_its_sharded_bytes(capsys):
+    args = ["plan", "--recipe", "recipes/llama3-8b.yaml", "--hardware",
+            str(HW_DIR / "a100-80gb.yaml"), "--nodes", "4", "--dead", "0,9,18,27"]
+    assert cli_main(args) == 0
+    text = capsys.readouterr().out
+    result = plan(LLAMA3_8B, A100, [g for g in range(32) if g not in (0, 9, 18, 27)])
+    pipes = len(result.layout.pipelines)
+    assert (f"distributed optimizer on (training.distributed_optimizer: each weight's "
+            f"optimizer state split over the {pipes} pipeline(s)") in text
+    optimizer = result.cost.pipelines[0].stages[0].memory.optimizer
+    assert f"(optimizer {optimizer / GIB:6.1f} GiB)" in text
+    assert cli_main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["distributed_optimizer"] is True
+    assert report["stages"][0]["memory_gib"]["optimizer"] == pytest.approx(optimizer / GIB)
+    # without it, every rank holds all its weights' state
+    assert cli_main(["plan", "--recipe", "recipes/tiny-llama.yaml", "--hardware",
+                     str(HW_DIR / "cpu-slots.yaml"), "--nodes", "1"]) == 0
+    assert "distributed optimizer off" in capsys.readouterr().out
+
+
 def test_cli_json_report(capsys):
     code = cli_main(["plan", "--recipe", "recipes/llama2-7b.yaml", "--hardware",
                      str(HW_DIR / "a100-80gb.yaml"), "--nodes", "4", "--gpus-per-node", "8",
