@@ -55,7 +55,8 @@ the last, and the profile's reserved memory. With measured tables, a stage's
 activations are the measured saved activations (layers, embedding, output layer and
 loss, as ``--report-memory`` counts them) per in-flight micro-batch, unless full
 recomputation changes what is kept; the memory one more layer costs (which bounds a
-stage's layers) is the measured state plus those activations. Sequence parallelism (the
+stage's layers) is its state, counted from its parameters (the profile's measured
+``state_mib`` is the same count), plus those activations. Sequence parallelism (the
 recipe's ``training.sequence_parallel`` unless the caller says otherwise) splits the norms'
 activations by TP; full recomputation keeps only each recomputed chunk's input per
 in-flight micro-batch, plus one chunk's activations while it is recomputed.

@@ -43,8 +43,24 @@ How it is searched (steps 1-3 are exact; 4-5 are exact for small clusters and po
    (typically the nodes with dead GPUs), else greedily into the largest groups up to a
    cap, for every cap (``[8]``, ``[4, 4]``, ``[2, 2, 2, 2]``, ... for full nodes).
 
+**ZeRO-1** (``training.distributed_optimizer``) splits each weight's optimizer state over
+the pipelines (every pipeline holds every layer), so a stage's memory, and with it the
+best pipeline of a TP multiset, depends on the number of pipelines ``D`` of the whole
+layout. ``ShapeBook`` computes best pipelines for a given ``D`` (sharing them between
+counts with equal memory caps). Step 4 enumerates with the best pipelines for the most
+pipelines a packing of the pool can have (its group count): caps only grow with ``D``,
+so these are a relaxation, every pipeline that fits with fewer is among them, at most as
+slow, and every bound stays a lower bound. Each packing is then re-sized for its own
+``D`` (a shape that still fits stays the best; one that does not is replaced by the best
+for ``D``, or the packing dropped) and bounded by its exact 1F1B time before it is
+evaluated. So the search stays exact where it was (steps 1-3 and small pools). It
+charges each norm's state over ``D`` holders, at least what the layout gives (norms are
+held by every TP rank of their stage in each pipeline); the plan's reported memory
+counts them exactly (``CostModel.step_cost``).
+
 The result is the best layout found, with deterministic tie-breaks (fewer GPUs, fewer
-pipelines). The test suite checks it against brute force on small clusters.
+pipelines). The test suite checks it against brute force on small clusters, with and
+without ZeRO-1.
 """
 
 from __future__ import annotations
