@@ -26,6 +26,7 @@ from elastor_mcore.planner import CostModel, load_hardware, plan
 from elastor_mcore.planner.cost_model import GIB
 from elastor_mcore.runtime.memory import SavedTensorMeter, measure
 from tests.conftest import REPO, run_world, write_tiny_recipe
+from tests.test_planner_optimality import rejected_unsplit, with_optimizer
 
 DEMO_PROFILE = REPO / "recipes" / "hardware" / "cpu-slots-2.25mib.yaml"
 SLOT_MIB = 3.25
@@ -75,10 +76,8 @@ def case(tmp_path_factory) -> Case:
     hardware_path.write_text(yaml.safe_dump(profile))
     recipe_path = write_tiny_recipe(out / "tiny-zero1.yaml", distributed_optimizer=True)
     hardware, recipe = load_hardware(hardware_path), load_recipe(recipe_path)
-    plain = dataclasses.replace(recipe, training=dataclasses.replace(
-        recipe.training, distributed_optimizer=False))
     return Case(recipe_path, hardware_path, plan(recipe, hardware, range(SLOTS), use_all=True),
-                plan(plain, hardware, range(SLOTS), use_all=True))
+                plan(with_optimizer(recipe, False), hardware, range(SLOTS), use_all=True))
 
 
 def test_the_sharded_count_admits_a_faster_layout_on_the_slots(case):
@@ -94,10 +93,7 @@ def test_the_sharded_count_admits_a_faster_layout_on_the_slots(case):
     capacity = SLOT_MIB * MIB
     assert all(stage.memory.total <= capacity
                for pipe in case.sharded.cost.pipelines for stage in pipe.stages)
-    # the upper bound (ZeRO-1's state counted on every rank, unsplit) rejects it
-    unsplit = CostModel(recipe, hardware)
-    assert any(unsplit.stage_memory(s.tp, s.layers, j, len(p.stages)).total > capacity
-               for p in layout.pipelines for j, s in enumerate(p.stages))
+    assert rejected_unsplit(CostModel(recipe, hardware), layout, capacity)
     assert capacity == pytest.approx(hardware.memory_per_gpu_gib * GIB)
 
 

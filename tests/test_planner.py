@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -18,7 +17,8 @@ from elastor_mcore.planner import (CostModel, HardwareError, PlannerError, hardw
 from elastor_mcore.planner.baselines import best_uniform
 from elastor_mcore.planner.cost_model import GIB, pipeline_time_s
 from elastor_mcore.config.recipe import load_recipe
-from tests.test_planner_optimality import THIRDS, TIGHT  # six heads: TP 1, 2, 3 or 6
+from tests.test_planner_optimality import (  # THIRDS: six heads, TP 1, 2, 3 or 6
+    THIRDS, TIGHT, rejected_unsplit, with_optimizer)
 
 HW_DIR = Path("recipes/hardware")
 TINY = load_recipe("recipes/tiny-llama.yaml")
@@ -80,13 +80,6 @@ def test_memory_breakdown_of_a_bf16_stage():
     # 1F1B keeps (stages - position) micro-batches in flight
     first = cost.stage_memory(tp=4, layers=8, position=0, num_stages=4)
     assert first.activations > mem.activations
-
-
-def with_optimizer(recipe, distributed: bool, params_dtype: str | None = None):
-    """``recipe`` with or without the distributed optimizer (ZeRO-1)."""
-    return dataclasses.replace(recipe, training=dataclasses.replace(
-        recipe.training, distributed_optimizer=distributed,
-        params_dtype=params_dtype or recipe.training.params_dtype))
 
 
 def test_zero1_splits_the_optimizer_state_over_the_pipelines():
@@ -247,8 +240,7 @@ def test_counting_zero1_admits_a_faster_llama3_8b_layout(dead):
     assert sharded.step_s < upper.step_s * (1 - 1e-3)
     capacity = A100.memory_per_gpu_gib * GIB
     unsplit = CostModel(LLAMA3_8B, A100)
-    assert any(unsplit.stage_memory(s.tp, s.layers, j, len(p.stages)).total > capacity
-               for p in sharded.layout.pipelines for j, s in enumerate(p.stages))
+    assert rejected_unsplit(unsplit, sharded.layout, capacity)
     assert all(stage.memory.total <= capacity
                for pipe in sharded.cost.pipelines for stage in pipe.stages)
     # the upper bound's layout costs the same time either way (no optimizer-step table)
