@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -18,7 +17,8 @@ from elastor_mcore.planner import (CostModel, HardwareError, PlannerError, hardw
 from elastor_mcore.planner.baselines import best_uniform
 from elastor_mcore.planner.cost_model import GIB, pipeline_time_s
 from elastor_mcore.config.recipe import load_recipe
-from tests.test_planner_optimality import THIRDS, TIGHT  # six heads: TP 1, 2, 3 or 6
+from tests.test_planner_optimality import (  # THIRDS: six heads, TP 1, 2, 3 or 6
+    THIRDS, TIGHT, rejected_unsplit, with_optimizer)
 
 HW_DIR = Path("recipes/hardware")
 TINY = load_recipe("recipes/tiny-llama.yaml")
@@ -26,6 +26,7 @@ CPU = load_hardware(HW_DIR / "cpu-slots.yaml")
 A100 = load_hardware(HW_DIR / "a100-80gb.yaml")
 LLAMA2_7B = load_recipe("recipes/llama2-7b.yaml")
 LLAMA3_70B = load_recipe("recipes/llama3-70b.yaml")
+LLAMA3_8B = load_recipe("recipes/llama3-8b.yaml")
 
 
 # ----- hardware profiles ----------------------------------------------------------------
@@ -82,13 +83,58 @@ def test_memory_breakdown_of_a_bf16_stage():
 
 
 def test_zero1_splits_the_optimizer_state_over_the_pipelines():
-    sharded = dataclasses.replace(LLAMA2_7B, training=dataclasses.replace(
-        LLAMA2_7B.training, distributed_optimizer=True))
-    whole = CostModel(LLAMA2_7B, A100).stage_memory(4, 8, 1, 4, replicas=3)
-    split = CostModel(sharded, A100).stage_memory(4, 8, 1, 4, replicas=3)
+    assert LLAMA2_7B.training.distributed_optimizer  # as the shipped recipe
+    whole = CostModel(with_optimizer(LLAMA2_7B, False), A100).stage_memory(4, 8, 1, 4,
+                                                                           replicas=3)
+    split = CostModel(LLAMA2_7B, A100).stage_memory(4, 8, 1, 4, replicas=3)
     assert split.optimizer == pytest.approx(whole.optimizer / 3)
     assert (split.weights, split.gradients, split.activations) == \
         (whole.weights, whole.gradients, whole.activations)
+
+
+def test_zero1_keeps_an_fp32_main_copy_in_fp32_runs_too():
+    """The runtime's ZeRO-1 keeps an fp32 main parameter beside the two moments of each
+    owned element whatever the dtype: 12 bytes, where the plain fp32 optimizer keeps 8."""
+    plain = CostModel(TINY, CPU).stage_memory(1, 2, 0, 1)
+    zero = CostModel(with_optimizer(TINY, True), CPU).stage_memory(1, 2, 0, 1, replicas=3)
+    assert zero.optimizer == pytest.approx(plain.optimizer * 12 / 8 / 3)
+
+
+def test_a_weight_held_by_three_pipelines_is_split_three_ways():
+    """Per stage of a heterogeneous three-pipeline layout, the optimizer state the layout
+    gives it: TP-split weights over the 3 pipelines, each norm over every rank holding it
+    (the TP ranks of its stage in every pipeline)."""
+    recipe = with_optimizer(TINY, True)
+    cost = CostModel(recipe, CPU)
+    pipelines = [(6, [(2, 5), (1, 3)]), (5, [(1, 8)]), (5, [(1, 2), (4, 6)])]
+    step = cost.step_cost(pipelines, intra_node=True)
+    h, params = TINY.model.hidden_size, cost.layer_params
+    norms = 2 * h                        # per layer: two RMSNorm weights, replicated in TP
+    split = params - norms               # the rest of a layer is split by TP
+
+    def expected(tp, layers, holders, first=False, last=False):
+        """12 bytes x (split elements / 3 pipelines + norm elements / their holders)."""
+        vocab = cost.recipe.model.padded_vocab_size * h / tp
+        sharded = layers * split / tp + vocab * (first + last)
+        final = h / (1 + 1 + 4) if last else 0  # the last stages: TP 1, 1 and 4
+        replicated = sum(norms / r for r in holders) + final
+        return 12 * (sharded / 3 + replicated)
+
+    # layers 0-4 of P0 (TP 2): held by P0's 2 ranks, P1's 1, P2's 1 (layers 0-1) or 4
+    assert step.pipelines[0].stages[0].memory.optimizer == pytest.approx(
+        expected(2, 5, [2 + 1 + 1] * 2 + [2 + 1 + 4] * 3, first=True))
+    assert step.pipelines[0].stages[1].memory.optimizer == pytest.approx(
+        expected(1, 3, [1 + 1 + 4] * 3, last=True))
+    assert step.pipelines[1].stages[0].memory.optimizer == pytest.approx(
+        expected(1, 8, [2 + 1 + 1] * 2 + [2 + 1 + 4] * 3 + [1 + 1 + 4] * 3,
+                 first=True, last=True))
+    assert step.pipelines[2].stages[1].memory.optimizer == pytest.approx(
+        expected(4, 6, [2 + 1 + 4] * 3 + [1 + 1 + 4] * 3, last=True))
+    # the search charges each norm over the pipelines only: at least what the layout gives
+    search = cost.stage_memory(4, 6, 1, 2, replicas=3)
+    assert search.optimizer > step.pipelines[2].stages[1].memory.optimizer
+    vocab = cost.recipe.model.padded_vocab_size * h / 4
+    assert search.optimizer == pytest.approx(12 * (6 * split / 4 + vocab + 6 * norms + h) / 3)
 
 
 def test_communication_volumes():
@@ -181,6 +227,27 @@ def test_plans_1024_gpus_quickly():
     assert result.layout.num_gpus > 900
 
 
+@pytest.mark.parametrize("dead", [[], [0, 9, 18, 27]], ids=["all alive", "one dead per node"])
+def test_counting_zero1_admits_a_faster_llama3_8b_layout(dead):
+    """Llama-3 8B on 4 x 8 A100-80GB with the distributed optimizer (docs/planner.md):
+    with the optimizer state split over the pipelines the search finds a faster layout
+    than with all of it charged to every rank (the upper bound it used before), one the
+    upper bound rejects for memory."""
+    alive = [g for g in range(32) if g not in dead]
+    sharded = plan(LLAMA3_8B, A100, alive)
+    upper = plan(with_optimizer(LLAMA3_8B, False), A100, alive)  # bf16: 12 B/param either way
+    assert sharded.layout != upper.layout
+    assert sharded.step_s < upper.step_s * (1 - 1e-3)
+    capacity = A100.memory_per_gpu_gib * GIB
+    unsplit = CostModel(LLAMA3_8B, A100)
+    assert rejected_unsplit(unsplit, sharded.layout, capacity)
+    assert all(stage.memory.total <= capacity
+               for pipe in sharded.cost.pipelines for stage in pipe.stages)
+    # the upper bound's layout costs the same time either way (no optimizer-step table)
+    again = layout_cost(unsplit, upper.layout, 8)
+    assert again.step_s == pytest.approx(upper.step_s)
+
+
 def test_infeasible_cluster_says_how_much_memory_is_missing():
     with pytest.raises(PlannerError, match=r"GiB are missing"):
         plan(LLAMA3_70B, A100, range(8))
@@ -221,6 +288,27 @@ def test_cli_prints_a_diagram_and_writes_the_layout(tmp_path, capsys):
     assert "of all GPUs alive" in text
     layout = load_layout(out, TINY)
     assert 3 not in layout.ranks and layout.num_gpus == 7
+
+
+def test_cli_says_what_it_assumed_of_the_optimizer_and_shows_its_sharded_bytes(capsys):
+    args = ["plan", "--recipe", "recipes/llama3-8b.yaml", "--hardware",
+            str(HW_DIR / "a100-80gb.yaml"), "--nodes", "4", "--dead", "0,9,18,27"]
+    assert cli_main(args) == 0
+    text = capsys.readouterr().out
+    result = plan(LLAMA3_8B, A100, [g for g in range(32) if g not in (0, 9, 18, 27)])
+    pipes = len(result.layout.pipelines)
+    assert (f"distributed optimizer on (training.distributed_optimizer: each weight's "
+            f"optimizer state split over the {pipes} pipeline(s)") in text
+    optimizer = result.cost.pipelines[0].stages[0].memory.optimizer
+    assert f"(optimizer {optimizer / GIB:6.1f} GiB)" in text
+    assert cli_main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["distributed_optimizer"] is True
+    assert report["stages"][0]["memory_gib"]["optimizer"] == pytest.approx(optimizer / GIB)
+    # without it, every rank holds all its weights' state
+    assert cli_main(["plan", "--recipe", "recipes/tiny-llama.yaml", "--hardware",
+                     str(HW_DIR / "cpu-slots.yaml"), "--nodes", "1"]) == 0
+    assert "distributed optimizer off" in capsys.readouterr().out
 
 
 def test_cli_json_report(capsys):

@@ -8,6 +8,8 @@ import pytest
 
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.config.recipe import load_recipe
+from elastor_mcore.planner import load_hardware
+from elastor_mcore.planner.baselines import best_uniform
 
 PUBLISHED = {  # parameters, from each recipe's cited source
     "llama2-7b": 6.74e9,
@@ -39,6 +41,25 @@ def test_training_settings(recipe):
     assert recipe.training.micro_batch_size == 1
     assert recipe.training.global_batch_size in (512, 1024)
     assert recipe.model.seq_length == SEQ[recipe.name]
+
+
+def test_recipes_use_the_distributed_optimizer(recipe):
+    """As Megatron-LM's own Llama example (examples/llama/train_llama3_8b_h100_fp8.sh
+    at core_v0.16.1 and core_v0.19.0 passes --use-distributed-optimizer): the planner
+    then counts the optimizer state split over the pipelines."""
+    assert recipe.training.distributed_optimizer is True
+    assert "--use-distributed-optimizer" in _flags(recipe.extra["megatron_lm_command"])
+
+
+def test_default_layout_is_the_fastest_uniform_one(recipe):
+    """What the recipes' comment says: the fastest uniform layout on its cluster under
+    the planner's cost model (A100-80GB), with the recipe's ZeRO-1."""
+    default = recipe.extra["default_layout"]
+    fastest = best_uniform(recipe, load_hardware("recipes/hardware/a100-80gb.yaml"),
+                           range(default["nodes"] * default["gpus_per_node"]))
+    layout = load_layout(default["layout"], recipe)
+    assert [[(s.tp, s.layers) for s in p.stages] for p in fastest.layout.pipelines] == \
+        [[(s.tp, s.layers) for s in p.stages] for p in layout.pipelines]
 
 
 def test_default_layout_fills_its_cluster(recipe):

@@ -83,7 +83,8 @@ def diagram(result: Plan, full_step_s: float, tokens_per_step: int, title: str) 
             lines.append(
                 f"  stage {s}  tp{stage.tp:<2} layers {layers.start:>3}-{layers.stop - 1:<3} "
                 f"({stage.layers:>3})  {scost.time_s * 1e3:8.1f} ms/micro-batch  "
-                f"{_memory(scost.memory.total)}  GPUs {_ranges(stage.ranks)}")
+                f"{_memory(scost.memory.total)} (optimizer {_memory(scost.memory.optimizer)})"
+                f"  GPUs {_ranges(stage.ranks)}")
         p = q + 1
     step = result.cost
     parts = (f"slowest pipeline {max(pc.time_s for pc in step.pipelines):.3f} s + gradient "
@@ -102,15 +103,21 @@ def diagram(result: Plan, full_step_s: float, tokens_per_step: int, title: str) 
     return "\n".join(lines)
 
 
-def assumptions(recipe) -> str:
+def assumptions(recipe, pipelines: int) -> str:
     """What the cost model assumed of the recipe's training settings (the runtime runs
-    the same: ``training.sequence_parallel``, ``training.recompute_*``)."""
+    the same: ``training.sequence_parallel``, ``training.recompute_*``,
+    ``training.distributed_optimizer``) for a layout of ``pipelines`` pipelines."""
     t = recipe.training
     recompute = (f"full ({t.recompute_method}, {t.recompute_num_layers} layer(s))"
                  if t.recompute_granularity == "full" else t.recompute_granularity or "none")
+    optimizer = (f"on (training.distributed_optimizer: each weight's optimizer state split "
+                 f"over the {pipelines} pipeline(s) holding it, a norm's over every rank "
+                 f"holding it)" if t.distributed_optimizer else
+                 "off (training.distributed_optimizer: every rank holds the optimizer state "
+                 "of all its weights)")
     return (f"assumed: sequence parallelism {'on' if t.sequence_parallel else 'off'} "
             f"(training.sequence_parallel), activation recomputation {recompute} "
-            f"(training.recompute_granularity)")
+            f"(training.recompute_granularity), distributed optimizer {optimizer}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -144,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
                   "all_alive_step_s": full.step_s,
                   "relative_throughput": full.step_s / result.step_s,
                   "sequence_parallel": recipe.training.sequence_parallel,
+                  "distributed_optimizer": recipe.training.distributed_optimizer,
                   "recompute_granularity": recipe.training.recompute_granularity}
         print(json.dumps(report, indent=2))
     else:
@@ -151,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
                  f"{', '.join(map(str, dead)) or 'none'}; {len(alive)} alive, "
                  f"{result.layout.num_gpus} used")
         print(diagram(result, full.step_s, tokens, title))
-        print(assumptions(recipe))
+        print(assumptions(recipe, len(result.layout.pipelines)))
         if args.out:
             print(f"layout written to {args.out}")
     return 0

@@ -40,12 +40,12 @@ def best_uniform(recipe: Recipe, hardware: HardwareProfile, alive_gpus: Iterable
                   for i in range(0, len(ids) - tp + 1, tp)]
         for pp in _divisors(layers):
             per_stage = layers // pp
-            if any(cost.stage_memory(tp, per_stage, j, pp).total
-                   > hardware.memory_per_gpu_gib * 1024**3 for j in range(pp)):
-                continue
             for dp in _divisors(micro):
                 if dp * pp > len(groups) or micro // dp < pp:
                     continue
+                if any(cost.stage_memory(tp, per_stage, j, pp, replicas=dp).total
+                       > hardware.memory_per_gpu_gib * 1024**3 for j in range(pp)):
+                    continue  # ZeRO-1: the optimizer state split over the dp pipelines
                 it = iter(groups)
                 layout = layout_from_dict({"pipelines": [
                     {"micro_batches": micro // dp,

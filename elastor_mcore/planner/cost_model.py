@@ -46,14 +46,17 @@ degree, layer count and position, and on whether the layout spans nodes. The sea
 relies on this (groups of equal size are interchangeable).
 
 Memory per GPU: weights (params dtype), fp32 gradients, optimizer state (fp32 master
-copy when params are bf16, two Adam moments), activations of the micro-batches 1F1B
+copy when params are bf16, two Adam moments; with ZeRO-1, ``training.distributed_optimizer``,
+an fp32 main copy and two moments of each element, 12 bytes, split over the ranks that
+hold it, see ``stage_memory``), activations of the micro-batches 1F1B
 keeps in flight at the stage (``stages - position``; the planner keeps at least as many
 micro-batches as stages), embedding on the first stage, output layer and fp32 logits on
 the last, and the profile's reserved memory. With measured tables, a stage's
 activations are the measured saved activations (layers, embedding, output layer and
 loss, as ``--report-memory`` counts them) per in-flight micro-batch, unless full
 recomputation changes what is kept; the memory one more layer costs (which bounds a
-stage's layers) is the measured state plus those activations. Sequence parallelism (the
+stage's layers) is its state, counted from its parameters (the profile's measured
+``state_mib`` is the same count), plus those activations. Sequence parallelism (the
 recipe's ``training.sequence_parallel`` unless the caller says otherwise) splits the norms'
 activations by TP; full recomputation keeps only each recomputed chunk's input per
 in-flight micro-batch, plus one chunk's activations while it is recomputed.
@@ -61,7 +64,8 @@ in-flight micro-batch, plus one chunk's activations while it is recomputed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -71,6 +75,7 @@ from elastor_mcore.config.recipe import Recipe
 GIB = 1024**3
 GRAD_BYTES = 4          # Megatron accumulates gradients in fp32 (main_grad)
 ADAM_MOMENT_BYTES = 8   # exp_avg + exp_avg_sq, fp32
+ZERO1_STATE_BYTES = 12  # ZeRO-1 keeps an fp32 main copy of every owned element, any dtype
 LOGIT_BYTES = 4         # the loss works on fp32 logits
 TP_COLLECTIVES_PER_LAYER = 4
 TP_COLLECTIVES_EMBEDDING = 2  # vocab-parallel embedding / output layer, forward + backward
@@ -175,8 +180,13 @@ class CostModel:
         self._kv = model.num_query_groups * model.kv_channels
         self._f = model.ffn_hidden_size
         self._param_bytes = 2 if training.params_dtype == "bfloat16" else 4
+        self.shards_optimizer = training.distributed_optimizer
+        """ZeRO-1: each element's optimizer state is split over the ranks holding it."""
         master = 4 if training.params_dtype == "bfloat16" else 0
-        self._state_bytes_per_param = self._param_bytes + GRAD_BYTES + master + ADAM_MOMENT_BYTES
+        self._optimizer_bytes = (ZERO1_STATE_BYTES if self.shards_optimizer
+                                 else master + ADAM_MOMENT_BYTES)
+        """Optimizer state per element (before ZeRO-1's split)."""
+        self._state_bytes_per_param = self._param_bytes + GRAD_BYTES + self._optimizer_bytes
         self._act_bytes = self._param_bytes
         self._measured = hardware.measured_layer_ms.get(recipe.name, {})
         self.tables = hardware.measurements_for(recipe)
@@ -202,8 +212,21 @@ class CostModel:
 
     @property
     def model_state_bytes(self) -> float:
-        """Weights, gradients and optimizer state of the whole model."""
+        """Weights, gradients and optimizer state of the whole model in one pipeline: the
+        least any layout needs in total (more pipelines add weights and gradients; ZeRO-1
+        keeps each element's optimizer state once, however many pipelines)."""
         return self.total_params * self._state_bytes_per_param
+
+    def replica_key(self, replicas: int) -> int:
+        """``replicas`` where memory depends on it (ZeRO-1), else 1: the key under which
+        the search shares what it computed for other pipeline counts."""
+        return replicas if self.shards_optimizer else 1
+
+    def _bytes_per_param(self, replicas: int) -> float:
+        """Weights, gradient and optimizer state of one element held in ``replicas``
+        pipelines."""
+        return (self._param_bytes + GRAD_BYTES
+                + self._optimizer_bytes / self.replica_key(replicas))
 
     @property
     def _message_bytes(self) -> float:
@@ -275,12 +298,15 @@ class CostModel:
         return params * per_param * 1e-9
 
     def pipelines_work(self, pipelines: list[tuple[int, list[tuple[int, int]]]],
-                       grad_sync_s: float) -> tuple[float, float]:
+                       grad_sync_s: float, copies: Sequence[int] | None = None
+                       ) -> tuple[float, float]:
         """(slowest optimizer step, CPU seconds of the whole step) of ``[(micro_batches,
-        [(tp, layers), ...]), ...]`` whose gradient all-reduce takes ``grad_sync_s``."""
-        replicas = len(pipelines)
+        [(tp, layers), ...]), ...]`` whose gradient all-reduce takes ``grad_sync_s``;
+        ``copies``: how many alike pipelines each entry stands for (default 1 each)."""
+        copies = [1] * len(pipelines) if copies is None else copies
+        replicas = sum(copies)
         slowest = cpu = 0.0
-        for micro_batches, stages in pipelines:
+        for (micro_batches, stages), alike in zip(pipelines, copies):
             for j, (tp, layers) in enumerate(stages):
                 opt = self._memoised(("opt", tp, layers, j, len(stages), replicas),
                                      lambda: self.stage_optimizer_s(tp, layers, j,
@@ -288,7 +314,7 @@ class CostModel:
                 busy = self._memoised(("cpu", tp, layers, j, len(stages)),
                                       lambda: self.stage_cpu_s(tp, layers, j, len(stages)))
                 slowest = max(slowest, opt)
-                cpu += micro_batches * busy + tp * (opt + grad_sync_s)
+                cpu += alike * (micro_batches * busy + tp * (opt + grad_sync_s))
         return slowest, cpu
 
     @property
@@ -429,17 +455,22 @@ class CostModel:
     def _sharded_layer_params(self, tp: int) -> float:
         return (self.layer_params - 2 * self._h) / tp + 2 * self._h
 
-    def layer_memory_bytes(self, tp: int, position: int, num_stages: int) -> float:
-        """Memory one more layer costs a stage's GPU (measured when the profile has it)."""
+    def layer_memory_bytes(self, tp: int, position: int, num_stages: int,
+                           replicas: int = 1) -> float:
+        """Memory one more layer costs a stage's GPU in a layout of ``replicas``
+        pipelines: its state (counted from its parameters, as ``stage_memory`` does; a
+        profile's measured ``state_mib`` is the same count) and its activations (measured
+        when the profile has them)."""
         in_flight = num_stages - position
         chunk = self._uniform_recompute_layers()
-        if self.tables:
+        if chunk:
+            activation = self._layer_input_bytes(tp) / chunk
+        elif self.tables:
             activation = self.tables.activation_mib[tp].layer * 2**20
-            return (self.tables.state_mib[tp].layer * 2**20
-                    + in_flight * (self._layer_input_bytes(tp) / chunk if chunk else activation))
-        activation = self._layer_input_bytes(tp) / chunk if chunk \
-            else self._layer_activation_bytes(tp)
-        return self._sharded_layer_params(tp) * self._state_bytes_per_param + in_flight * activation
+        else:
+            activation = self._layer_activation_bytes(tp)
+        return (self._sharded_layer_params(tp) * self._bytes_per_param(replicas)
+                + in_flight * activation)
 
     def _stage_params(self, tp: int, layers: int, first: bool, last: bool) -> float:
         """Parameters of one rank of a stage."""
@@ -450,11 +481,47 @@ class CostModel:
             params += self._v * self._h / tp + self._h
         return params
 
-    def stage_memory(self, tp: int, layers: int, position: int,
-                     num_stages: int, replicas: int = 1) -> MemoryBreakdown:
-        """One rank's memory. With ZeRO-1 (``training.distributed_optimizer``) its
-        optimizer state is split over ``replicas``, the pipelines (every pipeline holds
-        each piece once); the search leaves it at 1, an upper bound."""
+    def _replicated_params(self, layers: int, last: bool) -> int:
+        """Parameters every TP rank of a stage holds whole: each layer's two norms, and
+        the final norm on the last stage."""
+        return layers * 2 * self._h + (self._h if last else 0)
+
+    def optimizer_bytes(self, tp: int, layers: int, position: int, num_stages: int,
+                        replicas: int = 1, norm_replicas: Sequence[int] | None = None
+                        ) -> float:
+        """One rank's optimizer state.
+
+        Without ZeRO-1 it holds the state of all its parameters. With ZeRO-1
+        (``training.distributed_optimizer``, ``runtime/distributed_optimizer.py``) each
+        element's 12 bytes are split over every rank holding it: a TP-split piece (the
+        embedding, projections, MLP and output layer) is held once per pipeline, by
+        ``replicas`` ranks, as every pipeline holds every layer; a norm by every TP rank of
+        the stage holding it in each pipeline: ``norm_replicas`` lists them for each of the
+        stage's layers, then for the final norm on the last stage (default: ``replicas``
+        each, at most what they are, since each pipeline holds a norm at least once). This
+        is the even share (12 bytes x elements / holders); the runtime cuts each replica
+        set's buffer at inner-chunk rows, so a rank owns that within one chunk per cut."""
+        last = position == num_stages - 1
+        params = self._stage_params(tp, layers, position == 0, last)
+        if not self.shards_optimizer:
+            return params * self._optimizer_bytes
+        replicated = self._replicated_params(layers, last)
+        if norm_replicas is None:
+            norms = replicated / replicas
+        else:
+            if len(norm_replicas) != layers + last:
+                raise ValueError(f"norm_replicas: {len(norm_replicas)} counts for a stage of "
+                                 f"{layers} layers{' and the final norm' if last else ''}")
+            counts = list(norm_replicas)
+            norms = (sum(2 * self._h / r for r in counts[:layers])
+                     + (self._h / counts[-1] if last else 0.0))
+        return self._optimizer_bytes * ((params - replicated) / replicas + norms)
+
+    def stage_memory(self, tp: int, layers: int, position: int, num_stages: int,
+                     replicas: int = 1, norm_replicas: Sequence[int] | None = None
+                     ) -> MemoryBreakdown:
+        """One rank's memory in a layout of ``replicas`` pipelines (the optimizer state:
+        ``optimizer_bytes``; without ZeRO-1 ``replicas`` changes nothing)."""
         first, last = position == 0, position == num_stages - 1
         params = self._stage_params(tp, layers, first, last)
         in_flight = num_stages - position
@@ -466,29 +533,42 @@ class CostModel:
             activations = self.stage_activation_bytes(tp, layers, in_flight)
             if last:
                 activations += self._b * self._s * self._v / tp * LOGIT_BYTES
-        master = self._state_bytes_per_param - self._param_bytes - GRAD_BYTES - ADAM_MOMENT_BYTES
         return MemoryBreakdown(
             weights=params * self._param_bytes,
             gradients=params * GRAD_BYTES,
-            optimizer=params * (master + ADAM_MOMENT_BYTES)
-            / (replicas if self.recipe.training.distributed_optimizer else 1),
+            optimizer=self.optimizer_bytes(tp, layers, position, num_stages, replicas,
+                                           norm_replicas),
             activations=activations,
             reserved=self.hardware.memory_reserved_gib * GIB)
 
-    def max_layers(self, tp: int, position: int, num_stages: int) -> int:
-        """Most layers a stage can hold in memory (0 if not even its fixed part fits)."""
+    def max_layers(self, tp: int, position: int, num_stages: int, replicas: int = 1) -> int:
+        """Most layers a stage can hold in memory in a layout of ``replicas`` pipelines
+        (0 if not even its fixed part fits), its norms' state split ``replicas`` ways."""
         first, last = position == 0, position == num_stages - 1
-        fixed = self._memoised(("fixed_bytes", tp, first, last, num_stages - position), lambda: (
-            self.stage_memory(tp, 0, position, num_stages).total
-            - self.hardware.memory_reserved_gib * GIB))
-        per_layer = self._memoised(("layer_bytes", tp, num_stages - position),
-                                   lambda: self.layer_memory_bytes(tp, position, num_stages))
-        room = self.capacity_bytes - fixed
-        return 0 if room < 0 else int(room // per_layer)
+        fixed, fixed_state, per_layer, layer_state = self._memoised(
+            ("memory_terms", tp, first, last, num_stages - position),
+            lambda: self._memory_terms(tp, position, num_stages))
+        share = 1 / self.replica_key(replicas)  # of the optimizer state
+        room = self.capacity_bytes - (fixed - fixed_state * (1 - share))
+        return 0 if room < 0 else int(room // (per_layer - layer_state * (1 - share)))
+
+    def _memory_terms(self, tp: int, position: int, num_stages: int
+                      ) -> tuple[float, float, float, float]:
+        """(bytes of a stage slot without layers, of which optimizer state, bytes one more
+        layer costs, of which optimizer state), the optimizer state unsplit: what
+        ``max_layers`` needs for any number of pipelines (the state scales with 1 /
+        pipelines; the search asks for many)."""
+        empty = self.stage_memory(tp, 0, position, num_stages)
+        return (empty.total - empty.reserved, empty.optimizer,
+                self.layer_memory_bytes(tp, position, num_stages),
+                self._sharded_layer_params(tp) * self._optimizer_bytes)
 
     # ----- whole stages / layouts ------------------------------------------------------
     def stage_cost(self, tp: int, layers: int, position: int, num_stages: int,
-                   intra_node: bool) -> StageCost:
+                   intra_node: bool, replicas: int = 1,
+                   norm_replicas: Sequence[int] | None = None) -> StageCost:
+        """Times and memory of one stage (memory as ``stage_memory`` in a layout of
+        ``replicas`` pipelines)."""
         first, last = position == 0, position == num_stages - 1
         if self.tables:
             compute, comm = self._stage_table_s(tp, layers, first, last), 0.0
@@ -508,16 +588,46 @@ class CostModel:
             p2p_s=neighbours * self.p2p_s(intra_node, tp),
             tp_comm_bytes=collectives * 2 * (tp - 1) / tp * self._message_bytes,
             p2p_bytes=neighbours * self._p2p_message_bytes(tp),
-            memory=self.stage_memory(tp, layers, position, num_stages))
+            memory=self.stage_memory(tp, layers, position, num_stages, replicas,
+                                     norm_replicas))
+
+    def norm_replicas(self, pipelines: list[tuple[int, list[tuple[int, int]]]]
+                      ) -> list[list[tuple[int, ...]]]:
+        """Per pipeline and stage of ``[(micro_batches, [(tp, layers), ...]), ...]``, the
+        ranks holding each of its layers' norms, then the final norm's on the last stage
+        (``optimizer_bytes``' ``norm_replicas``): every TP rank of the stage holding
+        them, in every pipeline."""
+        change = [0] * (self.num_layers + 1)  # of the holders, from one layer to the next
+        final = 0
+        for _, stages in pipelines:
+            layer = 0
+            for tp, layers in stages:
+                change[layer] += tp
+                change[layer + layers] -= tp
+                layer += layers
+            final += stages[-1][0]
+        per_layer = list(itertools.accumulate(change[:-1]))
+        out = []
+        for _, stages in pipelines:
+            layer, counts = 0, []
+            for j, (_, layers) in enumerate(stages):
+                last = (final,) if j == len(stages) - 1 else ()
+                counts.append(tuple(per_layer[layer:layer + layers]) + last)
+                layer += layers
+            out.append(counts)
+        return out
 
     def step_cost(self, pipelines: list[tuple[int, list[tuple[int, int]]]],
                   intra_node: bool) -> StepCost:
-        """Cost of ``[(micro_batches, [(tp, layers), ...]), ...]``."""
+        """Cost of ``[(micro_batches, [(tp, layers), ...]), ...]``; each stage's memory
+        with the optimizer state the layout gives it (``optimizer_bytes``)."""
+        norms = self.norm_replicas(pipelines)
         costs = tuple(
             PipelineCost(micro_batches=mb, stages=tuple(
-                self.stage_cost(tp, layers, j, len(stages), intra_node)
+                self.stage_cost(tp, layers, j, len(stages), intra_node, len(pipelines),
+                                norms[p][j])
                 for j, (tp, layers) in enumerate(stages)))
-            for mb, stages in pipelines)
+            for p, (mb, stages) in enumerate(pipelines))
         min_gpus = min(sum(tp for tp, _ in stages) for _, stages in pipelines)
         grad = self.grad_sync_s(len(pipelines), min_gpus, intra_node)
         optimizer, cpu = self.pipelines_work(pipelines, grad)

@@ -43,19 +43,36 @@ How it is searched (steps 1-3 are exact; 4-5 are exact for small clusters and po
    (typically the nodes with dead GPUs), else greedily into the largest groups up to a
    cap, for every cap (``[8]``, ``[4, 4]``, ``[2, 2, 2, 2]``, ... for full nodes).
 
+**ZeRO-1** (``training.distributed_optimizer``) splits each weight's optimizer state over
+the pipelines (every pipeline holds every layer), so a stage's memory, and with it the
+best pipeline of a TP multiset, depends on the number of pipelines ``D`` of the whole
+layout. ``ShapeBook`` computes best pipelines for a given ``D`` (sharing them between
+counts with equal memory caps). Step 4 enumerates with the best pipelines for the most
+pipelines a packing of the pool can have (its group count): caps only grow with ``D``,
+so these are a relaxation, every pipeline that fits with fewer is among them, at most as
+slow, and every bound stays a lower bound. Each packing is then re-sized for its own
+``D`` (a shape that still fits stays the best; one that does not is replaced by the best
+for ``D``, or the packing dropped) and bounded by its exact 1F1B time before it is
+evaluated. So the search stays exact where it was (steps 1-3 and small pools). It
+charges each norm's state over ``D`` holders, at least what the layout gives (norms are
+held by every TP rank of their stage in each pipeline); the plan's reported memory
+counts them exactly (``CostModel.step_cost``).
+
 The result is the best layout found, with deterministic tie-breaks (fewer GPUs, fewer
-pipelines). The test suite checks it against brute force on small clusters.
+pipelines). The test suite checks it against brute force on small clusters, with and
+without ZeRO-1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import logging
 import math
 from collections import Counter
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 from elastor_mcore.planner.cost_model import CostModel, pipeline_time_s, pipelines_fill_s
 
@@ -164,6 +181,7 @@ def _permutations(counts: dict[int, int]) -> list[tuple[int, ...]]:
 
 
 def _distinct_orders(tps: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The stage orders tried for the TP sizes ``tps`` (see ``search``'s step 2)."""
     counts = Counter(tps)
     n_orders = math.factorial(len(tps)) // math.prod(math.factorial(c) for c in counts.values())
     if n_orders <= ALL_ORDERS_LIMIT:
@@ -178,23 +196,37 @@ def _distinct_orders(tps: tuple[int, ...]) -> list[tuple[int, ...]]:
 
 
 class ShapeBook:
-    """Memoised best pipelines by TP multiset, for one cost model and link kind."""
+    """Memoised best pipelines by TP multiset and pipeline count, for one cost model and
+    link kind.
+
+    The pipeline count (``replicas``) matters only under ZeRO-1, through the memory caps:
+    a stage's optimizer state is split over the pipelines. Best pipelines are shared
+    between counts whose caps are equal (the split depends on nothing else)."""
 
     def __init__(self, cost: CostModel, intra_node: bool) -> None:
         self.cost = cost
         self.intra_node = intra_node
-        self.best = lru_cache(maxsize=None)(self._best)
         self._stage = lru_cache(maxsize=None)(self._stage_terms)
+        self._times = lru_cache(maxsize=None)(self._time_terms)
+        self._orders = lru_cache(maxsize=None)(_distinct_orders)
+        self._by_caps: dict[tuple, PipelineShape | None] = {}
+        self._by_count: dict[tuple[tuple[int, ...], int], PipelineShape | None] = {}
+        self._min_stages: dict[tuple[int, int], int | None] = {}
 
-    def _stage_terms(self, tp: int, position: int, num_stages: int
+    def _time_terms(self, tp: int, position: int, num_stages: int) -> tuple[float, float]:
+        """(time per layer, fixed time) of a stage slot."""
+        return (self.cost.layer_time_s(tp),
+                self.cost.stage_fixed_s(tp, position, num_stages, self.intra_node))
+
+    def _stage_terms(self, tp: int, position: int, num_stages: int, replicas: int
                      ) -> tuple[float, float, int]:
-        """(time per layer, fixed time, most layers in memory) of a stage slot."""
-        cost = self.cost
-        return (cost.layer_time_s(tp),
-                cost.stage_fixed_s(tp, position, num_stages, self.intra_node),
-                min(cost.max_layers(tp, position, num_stages), cost.num_layers))
+        """(time per layer, fixed time, most layers in memory) of a stage slot in a
+        layout of ``replicas`` pipelines."""
+        cap = self.cost.max_layers(tp, position, num_stages, replicas)
+        return (*self._times(tp, position, num_stages), min(cap, self.cost.num_layers))
 
-    def split(self, order: tuple[int, ...]) -> tuple[tuple[int, ...], float] | None:
+    def split(self, order: tuple[int, ...], replicas: int = 1
+              ) -> tuple[tuple[int, ...], float] | None:
         """Exact min-max layer split of an ordered pipeline under memory caps.
 
         Starts from the continuous optimum rounded down (no optimal split has fewer
@@ -204,7 +236,8 @@ class ShapeBook:
         n, total = len(order), self.cost.num_layers
         if n > total:
             return None
-        terms = [self._stage(tp, j, n) for j, tp in enumerate(order)]
+        replicas = self.cost.replica_key(replicas)
+        terms = [self._stage(tp, j, n, replicas) for j, tp in enumerate(order)]
         if min(cap for _, _, cap in terms) < 1 or sum(cap for _, _, cap in terms) < total:
             return None
         t_cont = (total + sum(c / a for a, c, _ in terms)) / sum(1 / a for a, _, _ in terms)
@@ -223,28 +256,47 @@ class ShapeBook:
         bottleneck = max(a * l + c for (a, c, _), l in zip(terms, layers))
         return tuple(layers), bottleneck
 
-    @cached_property
-    def _min_stages_memo(self) -> dict[int, int | None]:
-        return {}
-
-    def min_stages(self, tp: int) -> int | None:
-        """Fewest stages of TP degree ``tp`` that hold the model (None: no count does)."""
-        if tp not in self._min_stages_memo:
+    def min_stages(self, tp: int, replicas: int = 1) -> int | None:
+        """Fewest stages of TP degree ``tp`` that hold the model in a layout of
+        ``replicas`` pipelines (None: no count does)."""
+        key = (tp, self.cost.replica_key(replicas))
+        if key not in self._min_stages:
             found = None
             for n in range(1, self.cost.num_layers + 1):
-                caps = [self._stage(tp, j, n)[2] for j in range(n)]
+                caps = [self._stage(tp, j, n, key[1])[2] for j in range(n)]
                 if caps[0] < 1:  # the first stage only gets tighter with more stages
                     break
                 if min(caps) >= 1 and sum(caps) >= self.cost.num_layers:
                     found = n
                     break
-            self._min_stages_memo[tp] = found
-        return self._min_stages_memo[tp]
+            self._min_stages[key] = found
+        return self._min_stages[key]
 
-    def _best(self, tps: tuple[int, ...]) -> PipelineShape | None:
+    def best(self, tps: tuple[int, ...], replicas: int = 1) -> PipelineShape | None:
+        """The best ordered pipeline of the TP sizes ``tps`` in a layout of ``replicas``
+        pipelines (None: no order fits in memory)."""
+        key = (tps, self.cost.replica_key(replicas))
+        if key not in self._by_count:
+            n = len(tps)
+            caps = tuple(self._stage(tp, j, n, key[1])[2]
+                         for tp in sorted(set(tps)) for j in range(n))
+            if (tps, caps) not in self._by_caps:
+                self._by_caps[tps, caps] = self._best(tps, key[1])
+            self._by_count[key] = self._by_caps[tps, caps]
+        return self._by_count[key]
+
+    def fits(self, shape: PipelineShape, replicas: int) -> bool:
+        """Whether every stage of ``shape`` fits in memory in a layout of ``replicas``
+        pipelines. Then ``shape``, if it is the best for more pipelines (looser caps), is
+        also a best one for ``replicas``: every split that fits here fits there too."""
+        n, replicas = shape.num_stages, self.cost.replica_key(replicas)
+        return all(layers <= self._stage(tp, j, n, replicas)[2]
+                   for j, (tp, layers) in enumerate(zip(shape.tps, shape.layers)))
+
+    def _best(self, tps: tuple[int, ...], replicas: int) -> PipelineShape | None:
         best: PipelineShape | None = None
-        for order in _distinct_orders(tps):
-            result = self.split(order)
+        for order in self._orders(tps):
+            result = self.split(order, replicas)
             if result is None:
                 continue
             layers, bottleneck = result
@@ -254,19 +306,19 @@ class ShapeBook:
 
 
 # ----- micro-batches --------------------------------------------------------------------
-def balance_micro_batches(shapes: list[tuple[PipelineShape, int]], total: int
-                          ) -> tuple[float, list[list[int]]] | None:
-    """Exact min over integer splits of ``max_i (m_i + stages_i - 1) x bottleneck_i``.
+def _capacity(t: float, shape: PipelineShape) -> int:
+    """Micro-batches ``shape`` trains within ``t`` (1F1B)."""
+    return math.floor(t / shape.bottleneck_s * (1 + 1e-12)) - shape.num_stages + 1
 
-    ``shapes`` lists (shape, copies); returns the time and the micro-batches of every
-    copy, or None when even ``m_i = stages_i`` everywhere exceeds ``total``.
-    """
+
+def pipelines_time(shapes: list[tuple[PipelineShape, int]], total: int) -> float | None:
+    """Exact min over integer splits of ``total`` micro-batches of ``max_i (m_i + stages_i
+    - 1) x bottleneck_i`` (``shapes`` lists (shape, copies)), or None when even ``m_i =
+    stages_i`` everywhere exceeds ``total``: the smallest time ``T`` with ``sum(floor(T /
+    t_i) - stages_i + 1) >= total``, a multiple of some ``t_i``, found by bisection
+    among those between the continuous bounds."""
     if sum(s.num_stages * c for s, c in shapes) > total:
         return None
-
-    def capacity(t: float, shape: PipelineShape) -> int:
-        return math.floor(t / shape.bottleneck_s * (1 + 1e-12)) - shape.num_stages + 1
-
     rate = sum(c / s.bottleneck_s for s, c in shapes)
     floor_t = max(s.time_s(s.num_stages) for s, _ in shapes)
     lo = max(floor_t, (total + sum(c * (s.num_stages - 1) for s, c in shapes)) / rate)
@@ -279,12 +331,21 @@ def balance_micro_batches(shapes: list[tuple[PipelineShape, int]], total: int
     lo_i, hi_i = 0, len(candidates) - 1
     while lo_i < hi_i:
         mid = (lo_i + hi_i) // 2
-        if sum(c * capacity(candidates[mid], s) for s, c in shapes) >= total:
+        if sum(c * _capacity(candidates[mid], s) for s, c in shapes) >= total:
             hi_i = mid
         else:
             lo_i = mid + 1
-    t_star = candidates[lo_i]
-    micro = [[capacity(t_star, s)] * c for s, c in shapes]
+    return candidates[lo_i]
+
+
+def balance_micro_batches(shapes: list[tuple[PipelineShape, int]], total: int
+                          ) -> tuple[float, list[list[int]]] | None:
+    """``pipelines_time`` and the micro-batches of every copy that achieve it: each
+    gets its capacity at that time, trimmed from the slowest ones."""
+    t_star = pipelines_time(shapes, total)
+    if t_star is None:
+        return None
+    micro = [[_capacity(t_star, s)] * c for s, c in shapes]
     surplus = sum(map(sum, micro)) - total
     heap = [(-s.time_s(m), i, k)
             for i, (s, c) in enumerate(shapes) for k, m in enumerate(micro[i])]
@@ -319,9 +380,20 @@ class PoolSearch:
         self.book = book
         self.min_gpus = min_gpus
         """Packings on fewer GPUs are not candidates (``search``'s ``min_gpus``)."""
+        self._evaluated: dict[tuple[tuple[PipelineShape, int], ...], Candidate | None] = {}
 
     def evaluate(self, shapes: list[tuple[PipelineShape, int]],
                  partitions: tuple[tuple[int, tuple[int, ...]], ...]) -> Candidate | None:
+        """The candidate of a packing (None if it cannot take the global batch); the
+        same packing found in several pools costs the same (``cost_model``)."""
+        key = tuple(shapes)
+        if key not in self._evaluated:
+            self._evaluated[key] = self._evaluate(shapes, partitions)
+        found = self._evaluated[key]
+        return found and dataclasses.replace(found, partitions=partitions)
+
+    def _evaluate(self, shapes: list[tuple[PipelineShape, int]],
+                  partitions: tuple[tuple[int, tuple[int, ...]], ...]) -> Candidate | None:
         if sum(s.gpus * n for s, n in shapes) < self.min_gpus:
             return None
         balanced = balance_micro_batches(shapes, self.cost.total_micro_batches)
@@ -331,8 +403,9 @@ class PoolSearch:
         pipelines = tuple((s, m) for (s, _), ms in zip(shapes, micro) for m in ms)
         grad = self.cost.grad_sync_s(len(pipelines), min(s.gpus for s, _ in pipelines),
                                      self.book.intra_node)
+        alike = Counter(pipelines)
         optimizer, cpu = self.cost.pipelines_work(
-            [(m, list(zip(s.tps, s.layers))) for s, m in pipelines], grad)
+            [(m, list(zip(s.tps, s.layers))) for s, m in alike], grad, list(alike.values()))
         return Candidate(pipelines=pipelines, intra_node=self.book.intra_node,
                          pipeline_s=pipeline_s, grad_sync_s=grad, partitions=partitions,
                          optimizer_s=optimizer,
@@ -343,13 +416,21 @@ class PoolSearch:
 
     def _enumerate(self, pool: dict[int, int], fixed: list[tuple[PipelineShape, int]],
                    max_stages: int, partitions: tuple[tuple[int, tuple[int, ...]], ...],
-                   incumbent: Candidate | None) -> Candidate | None:
+                   incumbent: Candidate | None, widest: int) -> Candidate | None:
         """Every multiset of shapes that fits ``pool`` (plus the ``fixed`` pipelines),
         branch and bound: a partial packing is dropped when even perfectly efficient
-        pipelines on all its remaining groups could not beat the incumbent."""
+        pipelines on all its remaining groups could not beat the incumbent.
+
+        Under ZeRO-1 a stage's memory, and so the best pipeline of a TP multiset, depends
+        on the number of pipelines. The shapes enumerated (and ``fixed``) are the best
+        with ``widest`` pipelines, at least as many as a packing can have (the pool's
+        groups): the loosest memory caps, so every pipeline that fits with fewer is
+        among them and their bottlenecks are at most its own, and the bounds stay lower
+        bounds. Each packing is then evaluated with its pipelines' best shapes for its
+        own count (``resize``)."""
         cost, total = self.cost, self.cost.total_micro_batches
         shapes = [s for tps in _sub_multisets(pool, max_stages)
-                  if (s := self.book.best(tps)) is not None]
+                  if (s := self.book.best(tps, widest)) is not None]
         shapes.sort(key=lambda s: (-1 / (s.bottleneck_s * s.gpus), s.tps))
         sizes = sorted(pool, reverse=True)
         need = [tuple(s.tps.count(size) for size in sizes) for s in shapes]
@@ -379,10 +460,11 @@ class PoolSearch:
             if beaten(lower_bound(rate, bubble, pipes, min_gpus, left_rate)):
                 return
             if pipes:
-                floor_t = max(s.time_s(s.num_stages) for s, _ in fixed + chosen)
-                if not beaten(max(floor_t, (total + bubble) / rate)
-                              + cost.grad_sync_s(pipes, int(min_gpus), intra)):
-                    candidate = self.evaluate(fixed + chosen, partitions)
+                packing = self.resize(fixed + chosen, pipes)
+                pipeline_s = packing and pipelines_time(packing, total)
+                if pipeline_s is not None and not beaten(
+                        pipeline_s + cost.grad_sync_s(pipes, int(min_gpus), intra)):
+                    candidate = self.evaluate(packing, partitions)
                     if candidate is not None and better(best, candidate) is candidate:
                         best = found = candidate
             for j in range(i, len(shapes)):
@@ -401,6 +483,7 @@ class PoolSearch:
                 else:
                     chosen.pop()
 
+        fixed = [(self.book.best(s.tps, widest), c) for s, c in fixed]
         rate0 = sum(c / s.bottleneck_s for s, c in fixed)
         rec(0, [pool[s] for s in sizes], rate0, sum(c * (s.num_stages - 1) for s, c in fixed),
             sum(c * s.num_stages for s, c in fixed), sum(c for _, c in fixed),
@@ -416,8 +499,11 @@ class PoolSearch:
         if gpus * self.cost.capacity_bytes < self.cost.model_state_bytes:
             return None  # not even the weights, gradients and optimizer state fit
         if groups <= EXACT_POOL_GROUPS:
-            return self._enumerate(pool, [], groups, partitions, incumbent)
-        min_stages = [n for tp in pool if (n := self.book.min_stages(tp)) is not None]
+            return self._enumerate(pool, [], groups, partitions, incumbent, groups)
+        # fewest stages with the optimizer state unsplit (under ZeRO-1 more pipelines may
+        # need fewer, which the window includes), else with it split over every group
+        min_stages = ([n for tp in pool if (n := self.book.min_stages(tp, 1)) is not None]
+                      or [n for tp in pool if (n := self.book.min_stages(tp, groups))])
         if not min_stages:
             return None
         max_stages = min(min_stages) + EXTRA_STAGES
@@ -427,10 +513,26 @@ class PoolSearch:
             for shape, copies in bulk:
                 residual[shape.tps[0]] -= copies * shape.num_stages
             residual = self._trim(residual)
-            candidate = self._enumerate(residual, bulk, max_stages, partitions, best)
+            candidate = self._enumerate(residual, bulk, max_stages, partitions, best, groups)
             if candidate is not None:
                 best = found = candidate
         return found
+
+    def resize(self, packing: list[tuple[PipelineShape, int]], pipelines: int
+               ) -> list[tuple[PipelineShape, int]] | None:
+        """Best shapes of ``packing``'s TP multisets in a layout of ``pipelines``
+        pipelines (None if one no longer fits): the shapes themselves where they fit
+        (``ShapeBook.fits``), and always without ZeRO-1."""
+        if not self.cost.shards_optimizer:
+            return packing
+        out = []
+        for shape, copies in packing:
+            sized = shape if self.book.fits(shape, pipelines) \
+                else self.book.best(shape.tps, pipelines)
+            if sized is None:
+                return None
+            out.append((sized, copies))
+        return out
 
     def _trim(self, residual: dict[int, int]) -> dict[int, int]:
         """Keep the residual small enough to enumerate: smallest groups go idle first."""
@@ -446,17 +548,19 @@ class PoolSearch:
                       ) -> list[list[tuple[PipelineShape, int]]]:
         """Uniform pipelines for each plentiful size: its two best stage counts (by the
         continuous step-time estimate), with all its groups or one pipeline's worth
-        fewer in the bulk (the residual may do better with them)."""
+        fewer in the bulk (the residual may do better with them). Under ZeRO-1 each
+        count is judged in memory with the pipelines of its own (``_enumerate`` sizes
+        the bulk again for each packing's pipeline count)."""
         per_size = []
         for tp in sorted(pool, reverse=True):
             if pool[tp] <= RESIDUAL_GROUPS:
                 continue
             ranked = []
             for n in range(1, min(max_stages, pool[tp]) + 1):
-                shape = self.book.best((tp,) * n)
+                pipes = pool[tp] // n
+                shape = self.book.best((tp,) * n, pipes)
                 if shape is None:
                     continue
-                pipes = pool[tp] // n
                 estimate = (self.cost.total_micro_batches + pipes * (n - 1)) \
                     * shape.bottleneck_s / pipes
                 ranked.append((estimate, n, shape))

@@ -135,16 +135,14 @@ def predict_step(settings: RunSettings, recipe: Recipe, layout: Layout) -> Predi
 def predict_memory(settings: RunSettings, recipe: Recipe,
                    groups: RankGroups) -> MemoryBreakdown | None:
     """The cost model's memory for this rank's stage, less the profile's reserve (None
-    without a profile)."""
+    without a profile); under ZeRO-1 with the optimizer state the layout gives it."""
     profile = hardware_profile(settings)
     if profile is None:
         return None
     pos = groups.position
-    stage = groups.layout.pipelines[pos.pipeline].stages[pos.stage]
-    m = planner.CostModel(recipe, profile[0]).stage_memory(
-        stage.tp, stage.layers, pos.stage, groups.num_stages,
-        replicas=len(groups.layout.pipelines))
-    return replace(m, reserved=0.0)
+    cost = planner.layout_cost(planner.CostModel(recipe, profile[0]), groups.layout,
+                               profile[0].gpus_per_node)
+    return replace(cost.pipelines[pos.pipeline].stages[pos.stage].memory, reserved=0.0)
 
 
 def device_for_rank() -> torch.device:
