@@ -131,8 +131,8 @@ class Supervisor:
     """Runs ``config`` to the end, recovering from failures; see the module docstring.
 
     ``on_message`` receives a line per event for people (launch, failure, recovery);
-    ``on_step`` each step's metrics record (``worker.MetricsPrinter``'s JSON) with the
-    launch it came from.
+    ``on_step`` each step's metrics record (``elastic.rank.worker.MetricsPrinter``'s
+    JSON) with the launch it came from.
     """
 
     def __init__(self, config: SupervisorConfig,
