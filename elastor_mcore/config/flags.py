@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import typing
 from dataclasses import MISSING, Field, fields
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Self
 
 Command = Literal["train", "launch", "demo", "worker", "node-worker", "profile", "measure"]
 """The commands whose flags are defined here: the sub-commands ``elastor train``,
@@ -75,7 +75,7 @@ class Flags:
                 _add_flag(parser, f, hints[f.name], (overrides or {}).get(f.name, {}))
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, command: Command, **values: Any):
+    def from_args(cls, args: argparse.Namespace, command: Command, **values: Any) -> Self:
         """The settings ``add_arguments(parser, command)`` parsed into ``args``;
         ``values`` sets the fields the command builds itself."""
         hints = typing.get_type_hints(cls)
@@ -124,14 +124,14 @@ def _add_flag(parser, f: Field, hint: Any, own: dict[str, Any]) -> None:
         kwargs["required"] = True
     if "default" in own:
         kwargs.pop("required", None)  # a command's own default makes it optional
-    parser.add_argument(flag_of(f), **{**kwargs, **own})
+    parser.add_argument(_flag_of(f), **{**kwargs, **own})
 
 
 def _flag_argv(f: Field, value: Any) -> list[str]:
     meta = f.metadata
     if meta["consts"]:
         return [next(flag for flag, const, _ in meta["consts"] if const == value)]
-    flag = flag_of(f)
+    flag = _flag_of(f)
     if isinstance(value, bool):
         if meta["negatable"]:
             return [flag if value else "--no-" + flag[2:]]
@@ -147,7 +147,7 @@ def _default(f: Field) -> Any:
     return MISSING
 
 
-def flag_of(f: Field) -> str:
+def _flag_of(f: Field) -> str:
     """The flag of a field: ``setting(flag=...)``, else its name in dashes."""
     return f.metadata["flag"] or "--" + f.name.replace("_", "-")
 
