@@ -25,7 +25,7 @@ def reference_run(factory: pytest.TempPathFactory) -> Path:
 def _run_under(basetemp: Path) -> Path:
     out = basetemp / "single-process-reference"
     out.mkdir()
-    run_world(1, "elastor_mcore.runtime.worker",
+    run_world(1, "elastor_mcore.elastic.rank.worker",
               ["--recipe", str(TINY), "--layout", "dp1-tp1-pp1", "--steps", str(STEPS),
                "--metrics-out", str(out / "metrics.jsonl"), "--save", str(out / "ckpt"),
                "--save-interval", str(SAVE_INTERVAL),

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from elastor_mcore.elastic import node_timeline
-from elastor_mcore.elastic.heartbeat import read_beats
+from elastor_mcore.elastic.protocol import read_beats
 from elastor_mcore.elastic.report import read_metrics
 from tests.conftest import REPO, TINY
 from tests.single_process_reference import reference_losses

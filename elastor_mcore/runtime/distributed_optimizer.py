@@ -287,7 +287,7 @@ class ZeroShards:
 
     def reductions(self) -> list[GroupReduction]:
         """The gradient collectives of one step as ``GradientSynchronizer`` describes
-        its all-reduces (``runtime/traffic.py``): on gloo they are those all-reduces;
+        its all-reduces (``elastic/rank/traffic.py``): on gloo they are those all-reduces;
         NCCL's reduce-scatter moves half their bytes, the weights' all-gather the rest."""
         return [GroupReduction(b.bucket.holders, 4 * b.bucket.numel,
                                4 * b.bucket.numel if b.contributes else 0)

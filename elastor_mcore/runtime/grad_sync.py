@@ -40,7 +40,7 @@ def grad_buffer(param: torch.nn.Parameter) -> torch.Tensor:
 @dataclass(frozen=True)
 class GroupReduction:
     """One all-reduce this rank issues every step, described for diagnostics
-    (``runtime/traffic.py``) without exposing the buffers behind it."""
+    (``elastic/rank/traffic.py``) without exposing the buffers behind it."""
 
     holders: tuple[int, ...]    # the ranks of the group, sorted
     nbytes: int                 # bytes this rank all-reduces in it
