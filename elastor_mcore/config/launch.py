@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastor_mcore.config.flags import Flags, setting
+from elastor_mcore.config.shipped import HARDWARE_HELP
 
 Devices = Literal["auto", "cpu", "cuda"]
 
@@ -23,9 +24,7 @@ Devices = Literal["auto", "cpu", "cuda"]
 class LaunchSettings(Flags):
     """How a run is supervised, beside what it trains (``RunSettings``)."""
 
-    hardware: str = field(metadata=setting(
-        "hardware profile YAML for the planner, e.g. recipes/hardware/cpu-slots.yaml",
-        ("launch",)))
+    hardware: str = field(metadata=setting(f"{HARDWARE_HELP}, for the planner", ("launch",)))
     measure_profile: bool = field(default=False, metadata=setting(
         "unless --hardware or DIR/hardware-profile.yaml was measured on this machine for "
         "the recipe (elastor profile), measure one first and cache it there; either "
