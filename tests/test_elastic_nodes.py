@@ -126,9 +126,9 @@ def kill_agent(launcher: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def reference(single_process_reference) -> dict[int, float]:
     """Each step's loss uninterrupted on one process (shared with test_elastic)."""
-    return reference_losses(tmp_path_factory, STEPS)
+    return reference_losses(single_process_reference, STEPS)
 
 
 def worker_pid(job: Job, node: str, launch: int, slot: int) -> int:
