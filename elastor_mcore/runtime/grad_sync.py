@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -51,6 +52,7 @@ class GroupReduction:
 class _Piece:
     grad: torch.Tensor          # view of the cell in this rank's .grad
     contributes: bool           # this rank's pipeline counts through this rank
+    param: torch.nn.Parameter   # the parameter whose gradient ``grad`` is part of
 
 
 @dataclass
@@ -76,6 +78,49 @@ def reduction_plan(cells: list[Cell], pipeline_of: dict[int, int]):
         if len({pipeline_of[h] for h in cell.holders}) > 1:
             plan.setdefault(cell.holders, []).append(cell)
     return dict(sorted(plan.items()))
+
+
+Run = tuple[tuple[int, ...], list[Cell]]
+"""One bucket of a reduction: a holder set and cells of it, reduced together."""
+
+BucketOrder = Callable[[dict[tuple[int, ...], list[Cell]]], list[Run]]
+"""A reduction plan's buckets in the one order every rank issues them (computed from
+the plan alone, so every rank computes the same); default: one bucket per holder set,
+sorted by holders."""
+
+
+def backward_order(position: Callable[[str], float], max_numel: int | None = None
+                   ) -> BucketOrder:
+    """Buckets for reductions started during the backward pass, as each becomes ready:
+    each holder set's cells in the order a backward pass finishes them (descending
+    ``position`` of their key, e.g. its layer), cut into buckets of at most
+    ``max_numel`` elements (cells are not cut; None: one bucket per holder set); the
+    buckets ordered by when a backward pass finishes them (their lowest position,
+    last first). Every rank issues them in this order, which keeps collectives on
+    overlapping groups from waiting on each other in a cycle (NCCL needs that)."""
+    def order(plan: dict[tuple[int, ...], list[Cell]]) -> list[Run]:
+        runs: list[tuple[float, tuple[int, ...], int, list[Cell]]] = []
+        for holders, cells in plan.items():
+            run: list[Cell] = []
+            numel = 0
+            for cell in sorted(cells, key=lambda c: -position(c.key)):
+                if run and max_numel is not None and numel + cell.box.numel > max_numel:
+                    runs.append((-position(run[-1].key), holders, len(runs), run))
+                    run, numel = [], 0
+                run.append(cell)
+                numel += cell.box.numel
+            runs.append((-position(run[-1].key), holders, len(runs), run))
+        return [(holders, run) for _, holders, _, run in sorted(runs, key=lambda r: r[:3])]
+    return order
+
+
+@dataclass
+class Pending:
+    """A bucket's collective in flight (``start``); ``finish`` completes it."""
+
+    index: int
+    flat: torch.Tensor
+    work: Any                   # torch.distributed's Work, or None (nothing to wait for)
 
 
 @dataclass(frozen=True)
@@ -147,10 +192,11 @@ def broadcast_replicas(layout: Layout, model: torch.nn.Module | None, cache: Gro
 
 
 class GradientSynchronizer:
-    """Built once per layout on every world rank (group creation is collective)."""
+    """Built once per layout on every world rank (group creation is collective).
+    ``order`` decides the buckets and the order they are issued in (``BucketOrder``)."""
 
     def __init__(self, layout: Layout, model: torch.nn.Module | None, cache: GroupCache,
-                 world_group=None) -> None:
+                 world_group=None, order: BucketOrder | None = None) -> None:
         rank = dist.get_rank()
         refinement = Refinement.build(layout, model, world_group)
         cells, pipeline_of = refinement.cells, refinement.pipeline_of
@@ -158,17 +204,16 @@ class GradientSynchronizer:
         self._buckets: list[_Bucket] = []
         self._norm_views: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
+        for holders in plan:
+            cache.get(holders)
         if model is None:
-            for holders in plan:
-                cache.get(holders)
             return
         for p in model.parameters():
             if grad_buffer(p) is None:
                 p.grad = torch.zeros_like(p)
         self._grads = [grad_buffer(p) for p in model.parameters()]
         local = refinement.local
-        for holders, bucket_cells in plan.items():
-            group = cache.get(holders)
+        for holders, bucket_cells in (order(plan) if order else plan.items()):
             if rank not in holders:
                 continue
             pieces = []
@@ -177,8 +222,8 @@ class GradientSynchronizer:
                 first_in_pipeline = min(h for h in holders
                                         if pipeline_of[h] == pipeline_of[rank])
                 pieces.append(_Piece(piece.view(grad_buffer(piece.param), cell.box),
-                                     contributes=rank == first_in_pipeline))
-            self._buckets.append(_Bucket(holders, group, pieces))
+                                     rank == first_in_pipeline, piece.param))
+            self._buckets.append(_Bucket(holders, cache.get(holders), pieces))
         for cell in cells:
             if cell.holders[0] == rank:
                 piece = local[cell.key]
@@ -190,20 +235,38 @@ class GradientSynchronizer:
         """This rank's all-reduces of one step, in the order it issues them."""
         return [bucket.describe() for bucket in self._buckets]
 
+    def bucket_holders(self) -> list[tuple[int, ...]]:
+        """This rank's buckets' holder sets, in issue order."""
+        return [bucket.holders for bucket in self._buckets]
+
+    def bucket_parameters(self) -> list[list[torch.nn.Parameter]]:
+        """The parameters whose gradients each of this rank's buckets reads."""
+        return [list({id(p.param): p.param for p in b.pieces}.values()) for b in self._buckets]
+
     @torch.no_grad()
+    def start(self, index: int) -> Pending:
+        """Start the all-reduce of bucket ``index`` (asynchronous)."""
+        bucket = self._buckets[index]
+        flat = torch.cat([p.grad.reshape(-1) if p.contributes
+                          else torch.zeros(p.grad.numel(), dtype=p.grad.dtype,
+                                           device=p.grad.device)
+                          for p in bucket.pieces])
+        return Pending(index, flat, dist.all_reduce(flat, group=bucket.group, async_op=True))
+
+    @torch.no_grad()
+    def finish(self, pending: Pending) -> None:
+        """Wait for a started bucket and write the sums into the gradients."""
+        pending.work.wait()
+        offset = 0
+        for p in self._buckets[pending.index].pieces:
+            n = p.grad.numel()
+            p.grad.copy_(pending.flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
     def reduce(self) -> None:
         """Sum gradients across pipelines (in place, in the global bucket order)."""
-        for bucket in self._buckets:
-            flat = torch.cat([p.grad.reshape(-1) if p.contributes
-                              else torch.zeros(p.grad.numel(), dtype=p.grad.dtype,
-                                               device=p.grad.device)
-                              for p in bucket.pieces])
-            dist.all_reduce(flat, group=bucket.group)
-            offset = 0
-            for p in bucket.pieces:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+        for index in range(len(self._buckets)):
+            self.finish(self.start(index))
 
     @torch.no_grad()
     def global_norm(self, active_group) -> float:

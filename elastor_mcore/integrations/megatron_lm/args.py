@@ -122,7 +122,8 @@ def options_from_args(args: argparse.Namespace, vocab_size: int | None = None) -
     return ElastorOptions(
         layout=layout, ckpt_format=args.elastor_ckpt_format,
         save=ZarrSaveSettings(chunking=ChunkPolicy(split_sizes=split),
-                              keep=args.elastor_ckpt_keep, manifest_extra=extra))
+                              keep=args.elastor_ckpt_keep, manifest_extra=extra),
+        sequence_parallel=recipe.training.sequence_parallel)
 
 
 def adapt_args(args: argparse.Namespace, groups: RankGroups | None, layout: Layout) -> None:
@@ -133,7 +134,9 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None, layout: Layo
             f"every rank; start exactly the ranks the layout uses ({layout.num_gpus})")
     pipeline = layout.pipelines[groups.position.pipeline]
     stage_layers = [s.layers for s in pipeline.stages]
-    set_tensor_parallel_args(args, pipeline.stages[groups.position.stage].tp)
+    tp = pipeline.stages[groups.position.stage].tp
+    set_tensor_parallel_args(args, tp)
+    args.sequence_parallel = bool(args.sequence_parallel) and tp > 1  # Megatron's rule
     args.pipeline_model_parallel_size = len(stage_layers)
     if args.data_parallel_size != len(groups.dp_ranks):  # the rank's exact replicas
         from megatron.core.num_microbatches_calculator import (
