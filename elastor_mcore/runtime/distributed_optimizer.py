@@ -14,9 +14,9 @@ chunk of ``numel / holders`` per cut; norms and other small tensors may stay who
 
 Each step, per replica set in one global order (overlapping groups cannot deadlock):
 
-1. **Reduce-scatter** the gradients: one pipeline counts once (as in
-   ``GradientSynchronizer``: other TP replicas of the same pipeline add zeros), each
-   holder receives the sum over its segment. Sets inside one pipeline (TP replicas,
+1. **Reduce-scatter** the gradients: one stage counts once (as in
+   ``GradientSynchronizer``: other TP replicas of the same stage add zeros), each
+   holder receives the sum over its segment. Sets inside one stage (TP replicas,
    identical gradients) keep their own segment without communication. On NCCL the
    buffer is padded to ``holders x longest segment`` for ``reduce_scatter_tensor``;
    on gloo it is all-reduced whole and each holder keeps its segment, which sums in
@@ -73,7 +73,8 @@ class ShardBucket:
     holders: tuple[int, ...]
     cells: tuple[Cell, ...]
     reduces: bool
-    """Held in several pipelines: gradients are summed across them."""
+    """Held in several stages (pipelines, or a tied embedding's first and last stage):
+    gradients are summed across them."""
     cuts: tuple[int, ...]
     """Flat offsets: holder ``i`` owns ``[cuts[i], cuts[i + 1])``."""
 
@@ -137,7 +138,7 @@ def row_cuts(cells: Sequence[Cell], parts: int, align: Sequence[int]) -> tuple[i
     return tuple(cuts)
 
 
-def shard_buckets(cells: Sequence[Cell], pipeline_of: dict[int, int],
+def shard_buckets(cells: Sequence[Cell], stage_of: dict[int, tuple[int, int]],
                   align: dict[str, int]) -> list[ShardBucket]:
     """Every replica set's bucket, sorted by holders (the global issue order); cells
     keep the refinement's order, as in the gradient reduction's buckets. ``align``:
@@ -145,7 +146,7 @@ def shard_buckets(cells: Sequence[Cell], pipeline_of: dict[int, int],
     by_holders: dict[tuple[int, ...], list[Cell]] = {}
     for cell in cells:
         by_holders.setdefault(cell.holders, []).append(cell)
-    return [ShardBucket(holders, tuple(group), len({pipeline_of[h] for h in holders}) > 1,
+    return [ShardBucket(holders, tuple(group), len({stage_of[h] for h in holders}) > 1,
                         row_cuts(group, len(holders), [align[c.key] for c in group]))
             for holders, group in sorted(by_holders.items())]
 
@@ -190,7 +191,7 @@ class ShardPlan:
         ``chunking`` is the checkpoint's (``runtime.state.chunk_policy``)."""
         refinement = Refinement.build(layout, model, world_group)
         align = chunk_rows(refinement.cells, refinement.shapes, chunking)
-        buckets = shard_buckets(refinement.cells, refinement.pipeline_of, align)
+        buckets = shard_buckets(refinement.cells, refinement.stage_of, align)
         for bucket in buckets:
             if len(bucket.holders) > 1:
                 cache.get(bucket.holders)
@@ -218,7 +219,7 @@ class _Owned:
     group: dist.ProcessGroup | None
     index: int
     grads: list[torch.Tensor]        # this rank's gradient of each cell
-    contributes: bool                # this rank counts for its pipeline
+    contributes: bool                # this rank counts for its stage
     weights: list[torch.Tensor]      # this rank's weights of each cell
     fragments: list[Fragment]
     mains: list[torch.Tensor]        # fp32 main parameter of each fragment
@@ -246,13 +247,12 @@ class ZeroShards:
         self.plan = plan
         self._buckets: list[_Owned] = []
         local = plan.refinement.local
-        pipeline_of = plan.refinement.pipeline_of
+        stage_of = plan.refinement.stage_of
         for bucket in _issue_order(plan.buckets, order):
             if rank not in bucket.holders:
                 continue
             pieces = [local[c.key] for c in bucket.cells]
-            first_in_pipeline = min(h for h in bucket.holders
-                                    if pipeline_of[h] == pipeline_of[rank])
+            first_in_stage = min(h for h in bucket.holders if stage_of[h] == stage_of[rank])
             fragments = bucket.fragments(rank)
             mains = [torch.empty(frag.box.shape, dtype=torch.float32, device=device)
                      for frag in fragments]
@@ -260,7 +260,7 @@ class ZeroShards:
             owned = _Owned(
                 bucket, group, bucket.holders.index(rank),
                 [p.view(grad_buffer(p.param), c.box) for p, c in zip(pieces, bucket.cells)],
-                rank == first_in_pipeline,
+                rank == first_in_stage,
                 [p.view(p.param.data, c.box) for p, c in zip(pieces, bucket.cells)],
                 fragments, mains,
                 torch.zeros(bucket.segment_numel, dtype=torch.float32, device=device))

@@ -30,7 +30,7 @@ from elastor_mcore.integrations.megatron_lm import hooks, training
 from elastor_mcore.integrations.megatron_lm.installation import CKPT_FORMATS, ElastorOptions
 from elastor_mcore.integrations.megatron_lm.translate import (
     apply_layout_args, check_checkpoint_flags, explicit_flags, llama_differences,
-    recipe_from_args)
+    recipe_from_args, requested_sequence_parallel)
 from elastor_mcore.parallel.groups import RankGroups
 from elastor_mcore.parallel.layout import Layout, LayoutError, load_layout, mcore_pipeline_layout
 
@@ -68,6 +68,9 @@ def _derive_from_layout_on_parse(parser: argparse.ArgumentParser) -> None:
 
     def parse_known_args(args: Sequence[str] | None = None, namespace=None):
         parsed, extras = original(args, namespace)
+        # Megatron-LM's validation turns it off where TP is 1, as it is on a
+        # heterogeneous layout until each rank knows its stage (adapt_args).
+        parsed.elastor_sequence_parallel = bool(parsed.sequence_parallel)
         argv = list(sys.argv[1:] if args is None else args)
         try:
             check_checkpoint_flags(parsed)
@@ -136,7 +139,7 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None, layout: Layo
     stage_layers = [s.layers for s in pipeline.stages]
     tp = pipeline.stages[groups.position.stage].tp
     set_tensor_parallel_args(args, tp)
-    args.sequence_parallel = bool(args.sequence_parallel) and tp > 1  # Megatron's rule
+    args.sequence_parallel = requested_sequence_parallel(args) and tp > 1  # Megatron's rule
     args.pipeline_model_parallel_size = len(stage_layers)
     if args.data_parallel_size != len(groups.dp_ranks):  # the rank's exact replicas
         from megatron.core.num_microbatches_calculator import (

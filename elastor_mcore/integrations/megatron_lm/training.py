@@ -121,11 +121,6 @@ def unsupported_reason(layout: Layout, args) -> str | None:
         if getattr(args, attr, None) not in (None, train_value):
             return (f"{flag} {getattr(args, attr)} on a heterogeneous layout: evaluation "
                     f"runs the layout's micro-batches, like training; drop {flag}")
-    if not getattr(args, "untie_embeddings_and_output_weights", True) and any(
-            len(p.stages) > 1 for p in layout.pipelines):
-        return ("tied embeddings on a pipeline of several stages: the first and last "
-                "stages would have to share the word embedding across TP degrees; pass "
-                "--untie-embeddings-and-output-weights")
     last = max(layout.ranks)
     pos = layout.position(last)
     if pos.stage != len(layout.pipelines[pos.pipeline].stages) - 1:
@@ -173,8 +168,10 @@ def wrap_validate(original: Callable) -> Callable:
     whole world, which its batch checks and micro-batch calculator require the global
     batch to divide (16 on 5 ranks does not). It validates them as one rank instead
     (data-parallel size 1); ``adapt_args`` sets every rank's own sizes and micro-batch
-    count once its stage is known. ``--sequence-parallel``, which Megatron-LM turns off
-    at the placeholder TP 1, is kept: ``adapt_args`` turns it off on TP 1 stages only."""
+    count once its stage is known. Megatron-LM turns ``--sequence-parallel`` off at the
+    placeholder TP 1 (core_v0.19.0's ``pretrain_gpt.py`` builds a model config from the
+    placeholders, which refuses it); ``adapt_args`` turns it back on for stages of
+    TP > 1 from ``args.elastor_sequence_parallel``, which the parser recorded."""
     def validate_args(args, *rest, **kwargs):
         if not is_heterogeneous(args):
             return original(args, *rest, **kwargs)
@@ -182,11 +179,10 @@ def wrap_validate(original: Callable) -> Callable:
                  "sizes as one rank; each rank's TP, PP and data-parallel size follow "
                  "from its stage")
         world_size, args.world_size = args.world_size, 1
-        sequence_parallel = args.sequence_parallel
         try:
             return original(args, *rest, **kwargs)
         finally:
-            args.world_size, args.sequence_parallel = world_size, sequence_parallel
+            args.world_size = world_size
     return validate_args
 
 

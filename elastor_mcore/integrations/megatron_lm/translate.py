@@ -62,10 +62,17 @@ def recipe_from_args(args: argparse.Namespace, vocab_size: int | None = None) ->
         global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
         seed=args.seed, params_dtype="bfloat16" if args.bf16 else "float32",
         distributed_optimizer=bool(args.use_distributed_optimizer),
-        sequence_parallel=bool(args.sequence_parallel),
+        sequence_parallel=requested_sequence_parallel(args),
         recompute_granularity=granularity, recompute_method=method,
         recompute_num_layers=recompute_layers)
     return Recipe(name="megatron-lm", model=model, training=training)
+
+
+def requested_sequence_parallel(args: argparse.Namespace) -> bool:
+    """``--sequence-parallel`` as given: Megatron-LM's validation turns it off at TP 1,
+    the placeholder of a heterogeneous layout, so the parser records it
+    (``elastor_sequence_parallel``) for the stages of TP > 1."""
+    return bool(getattr(args, "elastor_sequence_parallel", args.sequence_parallel))
 
 
 def ffn_hidden_size(args: argparse.Namespace) -> int:
