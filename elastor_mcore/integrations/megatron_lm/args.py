@@ -56,6 +56,14 @@ def add_elastor_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="TP degrees that later layouts may load the checkpoint with; "
                             "inner chunks are cut so each one reads whole chunks "
                             "(default: every TP degree the model allows)")
+    group.add_argument("--elastor-report-memory", action="store_true",
+                       help="with --elastor-layout: log every rank's memory in the second "
+                            "training step (weights, gradients, optimizer state, "
+                            "activations saved for backward) beside the planner's "
+                            "prediction for its stage")
+    group.add_argument("--elastor-hardware", default=None, metavar="PROFILE",
+                       help="hardware profile of --elastor-report-memory's prediction "
+                            "(default: the shipped CPU profile on CPU, none on GPUs)")
     _derive_from_layout_on_parse(parser)
     return parser
 
@@ -74,6 +82,10 @@ def _derive_from_layout_on_parse(parser: argparse.ArgumentParser) -> None:
         argv = list(sys.argv[1:] if args is None else args)
         try:
             check_checkpoint_flags(parsed)
+            if parsed.elastor_report_memory and not parsed.elastor_layout:
+                raise ValueError("--elastor-report-memory compares each rank with the "
+                                 "planner's stage of --elastor-layout; add --elastor-layout "
+                                 "(a shorthand such as dp2-tp2-pp1 for Megatron's grid)")
             if parsed.elastor_layout:
                 layout = apply_layout_args(parsed, explicit_flags(argv),
                                            int(os.environ.get("WORLD_SIZE", "1")))
@@ -126,7 +138,9 @@ def options_from_args(args: argparse.Namespace, vocab_size: int | None = None) -
         layout=layout, ckpt_format=args.elastor_ckpt_format,
         save=ZarrSaveSettings(chunking=ChunkPolicy(split_sizes=split),
                               keep=args.elastor_ckpt_keep, manifest_extra=extra),
-        sequence_parallel=recipe.training.sequence_parallel)
+        sequence_parallel=recipe.training.sequence_parallel,
+        report_memory=getattr(args, "elastor_report_memory", False),
+        hardware=getattr(args, "elastor_hardware", None))
 
 
 def adapt_args(args: argparse.Namespace, groups: RankGroups | None, layout: Layout) -> None:

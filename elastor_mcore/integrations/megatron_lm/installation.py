@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
+from elastor_mcore.integrations.megatron_lm.memory_report import MemoryReport
 from elastor_mcore.integrations.megatron_lm.overlap import GradReadiness
 from elastor_mcore.parallel.groups import GroupCache, RankGroups
 from elastor_mcore.parallel.layout import Layout
@@ -29,6 +30,11 @@ class ElastorOptions:
     ckpt_format: str | None = None
     """``"zarr"`` saves in the elastor format; None leaves saving to Megatron-Core."""
     save: ZarrSaveSettings = field(default_factory=ZarrSaveSettings)
+    report_memory: bool = False
+    """``--elastor-report-memory``: measure a training step's memory beside the
+    planner's prediction (``memory_report.py``)."""
+    hardware: str | None = None
+    """``--elastor-hardware``: the profile of that prediction."""
     sequence_parallel: bool = False
     """The job's ``--sequence-parallel``: every stage of TP > 1 splits the rows of its
     activations over its TP group, so a stage boundary re-splits them (a rank's own
@@ -81,6 +87,8 @@ class Installation:
     zero: ZeroShards | None = None
     """The ZeRO-1 shards under ``--use-distributed-optimizer`` (built with the optimizer)."""
     schedule: ScheduleState | None = None
+    memory_report: MemoryReport | None = None
+    """Under ``--elastor-report-memory`` (made when the loop first asks for its schedule)."""
 
     def options(self) -> ElastorOptions:
         """The options in force (the provider is called once, on first use)."""

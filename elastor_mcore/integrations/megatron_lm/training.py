@@ -74,7 +74,8 @@ import torch.distributed as dist
 
 from elastor_mcore.data.samples import pipeline_sample_indices
 from elastor_mcore.integrations.megatron_lm.installation import Installation, ScheduleState
-from elastor_mcore.integrations.megatron_lm.translate import is_heterogeneous
+from elastor_mcore.integrations.megatron_lm.memory_report import MemoryReport
+from elastor_mcore.integrations.megatron_lm.translate import is_heterogeneous, recipe_from_args
 from elastor_mcore.parallel.groups import RankGroups, replica_ranks
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.integrations.megatron_lm.overlap import (
@@ -246,6 +247,9 @@ def wrap_train(original: Callable, installation: Installation) -> Callable:
     def train(forward_step_func, model, optimizer, *args, **kwargs):
         if installation.heterogeneous():
             _check_optimizer(optimizer)
+        if installation.layout is not None and installation.options().report_memory:
+            installation.memory_report = MemoryReport(installation.options().hardware,
+                                                      optimizer)
         return original(forward_step_func, model, optimizer, *args, **kwargs)
     return train
 
@@ -261,9 +265,14 @@ def _check_optimizer(optimizer) -> None:
 
 def wrap_schedule_getter(original: Callable, installation: Installation) -> Callable:
     def get_forward_backward_func(*args, **kwargs):
-        if installation.heterogeneous():
-            return functools.partial(forward_backward, installation)
-        return original(*args, **kwargs)
+        schedule = (functools.partial(forward_backward, installation)
+                    if installation.heterogeneous() else original(*args, **kwargs))
+        report = installation.memory_report
+        if report is None:
+            return schedule
+        from megatron.training import get_args
+
+        return report.wrap(schedule, installation.groups, lambda: recipe_from_args(get_args()))
     return get_forward_backward_func
 
 
