@@ -18,10 +18,16 @@ optimizer, lr schedule, logging, checkpoints) as it is:
   uses the token sum, and the gradients are divided by the token count of the whole
   global batch afterwards (Megatron's ``--calculate-per-token-loss`` arithmetic), so
   every token of the global batch weighs the same whichever pipeline trained it.
-* **Gradient finalisation.** After the last backward, DDP's ``main_grad`` buffers are
-  summed across pipelines by ``runtime/grad_sync.py`` (cells of the common refinement
-  of all ranks' shards, each pipeline counting once) instead of DDP's data-parallel
-  all-reduce, then scaled by ``1 / tokens``.
+* **Sequence parallelism.** Stages of TP > 1 split their activations' rows over TP;
+  the P2P re-splits them at each boundary (``runtime/p2p.py``) and the norms'
+  gradients are summed over the TP group (``grad_sync.SequenceParallelGrads``).
+* **Gradient finalisation.** DDP's ``main_grad`` buffers are summed across pipelines by
+  ``runtime/grad_sync.py`` (cells of the common refinement of all ranks' shards, each
+  stage counting once, so a tied embedding's first- and last-stage gradients add)
+  instead of DDP's data-parallel all-reduce, then scaled by ``1 / tokens``: after the
+  last backward, or under ``--overlap-grad-reduce`` bucket by bucket during it
+  (``overlap.py``, which also overlaps ZeRO-1's all-gather with the next forward under
+  ``--overlap-param-gather``).
 * **Gradient norm.** The global norm (every element of every global tensor once) is
   computed once over all active ranks after the reduction; the optimizer's
   ``get_grad_norm_fp32`` returns it, so every replica clips by the same factor and a
@@ -75,11 +81,11 @@ import torch.distributed as dist
 from elastor_mcore.data.samples import pipeline_sample_indices
 from elastor_mcore.integrations.megatron_lm.installation import Installation, ScheduleState
 from elastor_mcore.integrations.megatron_lm.memory_report import MemoryReport
+from elastor_mcore.integrations.megatron_lm.overlap import (
+    GradReadiness, ParamGather, key_position, serve_param_sync, tp_replicated)
 from elastor_mcore.integrations.megatron_lm.translate import is_heterogeneous, recipe_from_args
 from elastor_mcore.parallel.groups import RankGroups, replica_ranks
 from elastor_mcore.parallel.layout import Layout
-from elastor_mcore.integrations.megatron_lm.overlap import (
-    GradReadiness, ParamGather, key_position, serve_param_sync, tp_replicated)
 from elastor_mcore.runtime.distributed_optimizer import ShardPlan, ZeroShards
 from elastor_mcore.runtime.grad_sync import (GradientSynchronizer, SequenceParallelGrads,
                                              backward_order, broadcast_replicas)
