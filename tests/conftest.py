@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,14 @@ MEGATRON_LM_ENV = "MEGATRON_LM_DIR"
 
 SHARED_WORLDS = ("train_world", "mcore_world", "single_process_reference")
 """Session fixtures whose world several test modules share."""
+
+
+def pytest_configure(config):
+    """Draw ``test_random_layouts``' base seed once, in the controlling process: every
+    pytest-xdist worker collects the suite itself and inherits this environment, and
+    the workers must agree on the test ids the seed is part of."""
+    if not hasattr(config, "workerinput"):
+        os.environ.setdefault("ELASTOR_LAYOUT_SEED", str(time.time_ns() % 1_000_000))
 
 
 def pytest_collection_modifyitems(config, items):
