@@ -93,8 +93,10 @@ def _cause(failures: list[dict[str, Any]], kills: list[dict[str, Any]],
            detected: dict[str, Any] | None, before: RoundSummary, after: RoundSummary) -> str:
     parts = [f"{e['kind']} of slot {e['slot']} at step {e['step']}" for e in failures]
     if kills:
+        rule = kills[0].get("timeout")
         parts.append(f"slots {sorted({k['slot'] for k in kills})} killed after "
-                     f"{max(k['silent_s'] for k in kills):.0f}s without a heartbeat")
+                     f"{max(k['silent_s'] for k in kills):.0f}s without a heartbeat"
+                     + (f" ({rule})" if rule else ""))
     lost = sorted(set(before.nodes) - set(after.nodes))
     joined = sorted(set(after.nodes) - set(before.nodes))
     if lost:
