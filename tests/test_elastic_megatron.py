@@ -14,8 +14,13 @@ ranks costs tens of seconds of imports on a small machine):
    the job after the hang timeout and 6 slots finish the run on a pipeline that mixes
    TP 2 and TP 1 stages.
 
-Every iteration any launch ran has the loss of an uninterrupted Megatron-LM run started
-from the same iteration-1 checkpoint, within ``RTOL`` (fp32: reduction order only). The
+A second job loses a node: two ``elastor launch --megatron-lm`` nodes on 127.0.0.1 train
+through torch's c10d rendezvous until one node's agent is SIGKILLed, and the other
+finishes alone.
+
+Every iteration any launch or round ran has the loss of an uninterrupted Megatron-LM run
+started from the same iteration-1 checkpoint, within ``RTOL`` (fp32: reduction order
+only). The
 slots hold 2.25 MiB of tensors each (``recipes/hardware/cpu-slots-2.25mib.yaml``): the
 planner fits the model on 7 of 8 slots as a pipeline of TP-1 stages of uneven layers,
 and on 6 it needs TP 2 for some stages.
@@ -33,9 +38,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from elastor_mcore.elastic import node_timeline
 from elastor_mcore.elastic.report import read_metrics
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from tests.conftest import REPO
+from tests.test_elastic_nodes import DEADLINE_S, Job, kill_agent
 from tests.pretrain_gpt_run import (CPU_SHIMS, RUN_ENV, PretrainRun, default_args,
                                     run_pretrain_gpt)
 
@@ -179,3 +186,67 @@ def test_every_iteration_matches_the_uninterrupted_run(elastic, reference):
     worst = max(d for *_, d in seen)
     print(f"largest: {worst:.1e} (tolerance {RTOL:.0e})")
     assert worst <= RTOL
+
+
+class MegatronNodes(Job):
+    """Two ``elastor launch --megatron-lm`` nodes on 127.0.0.1 (``test_elastic_nodes``'s
+    job, with Megatron-LM's ranks and CPU shims)."""
+
+    python_path = (str(CPU_SHIMS),)
+    env = RUN_ENV
+
+    def __init__(self, tmp: Path, script: Path, root: Path) -> None:
+        super().__init__(tmp)
+        self.script, self.root = script, root
+
+    def workload_args(self) -> list[str]:
+        return ["--megatron-lm", str(self.script), "--", *default_args(), *FLAGS,
+                "--save-interval", str(SAVE_INTERVAL), "--save", str(self.root)]
+
+
+@pytest.fixture(scope="module")
+def nodes(patched_megatron_lm, start, tmp_path_factory) -> MegatronNodes:
+    """Node a (2 slots, hosting the rendezvous store) and node b (2 slots) train from
+    iteration 1; once an iteration is done b's elastic agent is SIGKILLed (node loss:
+    its workers die with it) and a finishes alone."""
+    tmp = tmp_path_factory.mktemp("megatron-nodes")
+    root = tmp / "checkpoints"
+    shutil.copytree(start, root)
+    shutil.rmtree(root / "iter_0000002")
+    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    job = MegatronNodes(tmp, patched_megatron_lm / "pretrain_gpt.py", root)
+    try:
+        a = job.start("a", 2)
+        job.wait("node a's agent hosting the rendezvous store", job.store_up, [a])
+        b = job.start("b", 2)
+        job.wait("both nodes stepping", lambda: job.steps_done() >= 2 and any(
+            len({m["node"] for m in r["members"]}) == 2 for r in job.rounds("a", 0)), [a, b])
+        kill_agent(b)
+        assert b.wait(timeout=60) == 1
+        assert a.wait(timeout=DEADLINE_S) == 0, job.logs()
+    finally:
+        job.stop()
+    print(job.logs())
+    return job
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+def test_a_lost_node_goes_through_the_c10d_rendezvous(nodes, reference):
+    rounds = nodes.rounds("a", 0)
+    members = [sorted({m["node"] for m in r["members"]}) for r in rounds]
+    assert ["a", "b"] in members and members[-1] == ["a"], members
+    on_a = node_timeline.build(nodes.run_dir / "nodes" / "a" / "0")
+    assert any("node b lost" in r.cause for r in on_a.recoveries), on_a.recoveries
+    outcome = json.loads((nodes.run_dir / "nodes" / "a" / "0" / "outcome.json").read_text())
+    assert outcome["finished"], outcome
+    seen = {}
+    for path in sorted(nodes.run_dir.glob("nodes/*/*/rounds/*/metrics.jsonl")):
+        for m in read_metrics(path):
+            diff = abs(m["loss"] - reference[m["step"]]) / abs(reference[m["step"]])
+            seen[m["step"]] = max(seen.get(m["step"], 0.0), diff)
+    assert ITERS in seen
+    print("node a:\n" + node_timeline.table(on_a))
+    print("largest relative loss difference per iteration:",
+          {s: f"{d:.1e}" for s, d in sorted(seen.items())})
+    assert max(seen.values()) <= RTOL
