@@ -31,13 +31,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
+from elastor_mcore.checkpoint.lease import LEASE_FILE, CheckpointLease, LeaseError
 from elastor_mcore.elastic import node_timeline
 from elastor_mcore.elastic.report import read_metrics
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
@@ -250,3 +254,92 @@ def test_a_lost_node_goes_through_the_c10d_rendezvous(nodes, reference):
     print("largest relative loss difference per iteration:",
           {s: f"{d:.1e}" for s, d in sorted(seen.items())})
     assert max(seen.values()) <= RTOL
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("flags, refusal", [
+    (["--context-parallel-size", "2"],
+     "--context-parallel-size 2: the planner re-plans tensor, pipeline and data parallelism "
+     "only, one model chunk per pipeline stage; drop --context-parallel-size"),
+    (["--fp16"], "a relaunch may need a heterogeneous layout, and --fp16 on a heterogeneous "
+                 "layout: the loss-scaler's inf check would only cover one pipeline; use --bf16"),
+])
+def test_flags_no_relaunch_could_run_are_refused_before_any_rank(patched_megatron_lm,
+                                                                 tmp_path, flags, refusal):
+    """Megatron-LM's own parser reads the flags in the launcher's subprocess; what no
+    re-planned layout could run is refused, naming the flag, before anything starts."""
+    result = elastor(
+        "launch", "--megatron-lm", str(patched_megatron_lm / "pretrain_gpt.py"),
+        "--hardware", str(SLOTS_HARDWARE), "--nproc-per-node", "8", "--devices", "cpu",
+        "--run-dir", str(tmp_path / "run"), "--",
+        *default_args(), *FLAGS, "--save-interval", "2", *flags, timeout=600)
+    print(result.stderr)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"pretrain_gpt.py's flags: {refusal}" in result.stderr
+    assert not list((tmp_path / "run").glob("launch*"))
+
+
+def start_launch(script: Path, run_dir: Path) -> subprocess.Popen:
+    """``elastor launch --megatron-lm`` on 3 CPU slots from scratch, output in a file."""
+    path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
+    log = open(run_dir.parent / f"{run_dir.name}-{time.monotonic_ns()}.log", "w")
+    return subprocess.Popen(
+        [sys.executable, "-m", "elastor_mcore.cli", "launch", "--megatron-lm", str(script),
+         "--hardware", str(REPO / "recipes" / "hardware" / "cpu-slots.yaml"),
+         "--nproc-per-node", "3", "--devices", "cpu", "--run-dir", str(run_dir), "--",
+         *default_args(), "--global-batch-size", "12", "--train-iters", "1000",
+         "--save-interval", "2"],
+        cwd=REPO, env=dict(os.environ, PYTHONPATH=path, **RUN_ENV), stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for_iterations(run_dir: Path, launcher: subprocess.Popen, count: int) -> None:
+    deadline = time.monotonic() + 600
+    while max((m["step"] for p in run_dir.glob("launch*/metrics.jsonl")
+               for m in read_metrics(p)), default=0) < count:
+        assert launcher.poll() is None and time.monotonic() < deadline, "no iterations"
+        time.sleep(0.2)
+
+
+def running(processes: list[psutil.Process]) -> list[int]:
+    return [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT_S)
+def test_sigterm_stops_every_process_and_the_lease_outlives_a_killed_launcher(
+        patched_megatron_lm, tmp_path):
+    """SIGTERM to the launcher stops torchrun and every Megatron-LM rank (exit 143). A
+    SIGKILLed launcher leaves torchrun stopping its ranks for a moment: the lease names
+    them, so another job is refused until the last one is gone, then takes it."""
+    run_dir, script = tmp_path / "run", patched_megatron_lm / "pretrain_gpt.py"
+    launcher = start_launch(script, run_dir)
+    wait_for_iterations(run_dir, launcher, 1)
+    job = psutil.Process(launcher.pid).children(recursive=True)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 143
+    assert running(job) == []
+    root = run_dir / "checkpoints"
+    assert not (root / LEASE_FILE).exists()
+
+    for launch in run_dir.glob("launch*"):  # the first run's, so as to wait for new ones
+        shutil.rmtree(launch)
+    launcher = start_launch(script, run_dir)  # the same run again: it resumes
+    wait_for_iterations(run_dir, launcher, 3)
+    job = psutil.Process(launcher.pid).children(recursive=True)
+    launcher.kill()
+    launcher.wait()
+    refused = None
+    try:
+        CheckpointLease(root, "another-job").acquire()
+    except LeaseError as exc:
+        refused = (str(exc), running(job))
+    deadline = time.monotonic() + 120
+    while running(job) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running(job) == [], "the job's processes outlived their SIGKILLed launcher"
+    with CheckpointLease(root, "another-job") as lease:
+        assert lease.read().job_id == "another-job"
+    print(f"\nrefused while {len(refused[1]) if refused else 0} processes of the job ran: "
+          f"{refused[0] if refused else None}")
+    assert refused is not None and refused[1], "the lease was free while the job still ran"

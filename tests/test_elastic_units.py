@@ -273,3 +273,27 @@ def test_launch_refuses_incomplete_rendezvous_flags(tmp_path, capsys, args, mess
     assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--recipe, --steps, --save-interval required (or run Megatron-LM's "
+         "pretrain_gpt.py: --megatron-lm PATH -- <its flags>)"),
+    (["--recipe", str(TINY), "--steps", "4", "--save-interval", "2", "--", "--seed", "3"],
+     "unexpected arguments --seed 3: flags after -- are Megatron-LM's, with --megatron-lm"),
+    (["--megatron-lm", "pretrain_gpt.py", "--steps", "4", "--no-async-save", "--",
+      "--train-iters", "4"],
+     "--steps, --async-save: the project trainer's flags; with --megatron-lm give "
+     "Megatron-LM's own after --"),
+    (["--megatron-lm", "pretrain_gpt.py", "--synthetic-data", "--", "--train-iters", "4"],
+     "the data flags: the project trainer's flags"),
+    (["--megatron-lm", "pretrain_gpt.py"], "give pretrain_gpt.py's flags after --"),
+    (["--megatron-lm", str(REPO / "no-such-dir" / "pretrain_gpt.py"), "--",
+      "--train-iters", "4"], "no such file; pass Megatron-LM's pretrain_gpt.py"),
+])
+def test_launch_tells_the_trainers_flags_from_megatron_lms(tmp_path, capsys, args, message):
+    """Without --megatron-lm the trainer's flags are needed and nothing follows --; with
+    it, Megatron-LM's flags say everything and the trainer's are refused, by name."""
+    code = cli.main(["launch", "--hardware", str(REPO / "recipes/hardware/cpu-slots.yaml"),
+                     "--run-dir", str(tmp_path / "run"), "--devices", "cpu", *args])
+    assert code == 2
+    assert message in capsys.readouterr().err

@@ -205,6 +205,13 @@ def with_trainer_data(config: JobConfig, prefix: str) -> JobConfig:
     return replace(config, workload=Trainer(replace(settings, data=data)))
 
 
+def report_job_stop(prefix: str, signum: int, config: JobConfig) -> int:
+    """``report_stop`` with the workload's own latest committed step."""
+    return report_stop(prefix, signum, config.checkpoint_dir,
+                       latest=lambda root: max(config.workload.committed_steps(root),
+                                               default=None))
+
+
 def run_node(args: argparse.Namespace, nodes: NodeSettings, prefix: str) -> int:
     """One node of a multi-node job: its elastic agent until the job ends."""
     try:
@@ -229,7 +236,7 @@ def run_node(args: argparse.Namespace, nodes: NodeSettings, prefix: str) -> int:
           f"{outcome.reason}; ranks per round: {rounds}; timeline in "
           f"{outcome.node_dir / 'timeline.json'}", flush=True)
     if outcome.stopped_by:
-        return report_stop(prefix, outcome.stopped_by, config.checkpoint_dir)
+        return report_job_stop(prefix, outcome.stopped_by, config)
     return 0 if outcome.finished else 1
 
 
@@ -265,5 +272,5 @@ def run(args: argparse.Namespace) -> int:
     print_summary(outcome, prefix)
     print(f"{prefix}: timeline in {config.run_dir / 'timeline.json'}")
     if outcome.stopped_by:
-        return report_stop(prefix, outcome.stopped_by, config.checkpoint_dir)
+        return report_job_stop(prefix, outcome.stopped_by, config)
     return 0 if outcome.finished else 1
