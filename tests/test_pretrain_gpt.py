@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from elastor_mcore import checkpoint
 from elastor_mcore.checkpoint import megatron_dir
@@ -310,6 +311,9 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
     uniform = tmp_path / "uniform.yaml"
     uniform.write_text("pipelines:\n" + "  - micro_batches: 8\n    stages: "
                        "[{tp: 2, layers: 5}, {tp: 2, layers: 3}]\n" * 2)
+    seven = tmp_path / "seven.yaml"
+    seven.write_text(yaml.safe_dump({"pipelines": [{"micro_batches": 16, "stages": [
+        {"tp": 1, "layers": n} for n in (1, 1, 1, 1, 1, 2, 1)]}]}))
     hetero = tmp_path / "hetero.yaml"
     hetero.write_text("pipelines:\n  - micro_batches: 8\n    stages: [{tp: 2, layers: 5}, "
                       "{tp: 1, layers: 3}]\n  - micro_batches: 8\n    stages: "
@@ -339,10 +343,16 @@ def test_layout_flags_through_megatron_parser(patched_megatron_lm, tmp_path):
         (4, ["--elastor-layout", str(hetero), "--sequence-parallel", *DISTOPT,
              "--overlap-grad-reduce", "--overlap-param-gather"]),
         (4, ["--elastor-layout", str(hetero), "--fp16"]),
+        (7, ["--elastor-layout", str(seven), "--global-batch-size", "16"]),
     ], tmp_path)
     (derived, with_batch, from_file, conflict, bad_batch, idle, virtual, distopt,
      distopt_reshardable, tied, sequence_parallel, ckpt_format, keep,
-     memory, full_recompute, sp_seq_length, recompute_layers, overlap, fp16) = results
+     memory, full_recompute, sp_seq_length, recompute_layers, overlap, fp16,
+     seven_stages) = results
+    # 8 layers on 7 TP-1 stages (what elastor launch plans on 7 small slots): Megatron-LM
+    # validates the split the layout gives, not 8 layers divisible by 7
+    assert {k: v for k, v in seven_stages.items() if k != "recipe"} == {
+        "exit": 0, "tp": 1, "pp": 7, "dp": 1, "gbs": 16}, seven_stages
     # Megatron's default global batch (micro-batch x DP) for a shorthand; the file's
     # micro-batch counts otherwise; Megatron's validation passed on each.
     plain = {"ffn_hidden_size": 192, "params_dtype": "float32", "sequence_parallel": False,

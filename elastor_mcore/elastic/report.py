@@ -194,6 +194,7 @@ def write_report(out: str | os.PathLike, title: str, command: str,
            "the survivors; plan: the planner; relaunch: start torchrun → every rank built "
            "and ready to load (imports, process groups, model); load: checkpoint load; "
            "first step: the first step after the load.", "", table(items), ""]
+    md += [f"- {r.failure}: detected by {r.detected_by}" for r in items] + [""]
     md += ["## Checkpoints", "", "| launch | saves | blocked training, mean | max | "
            "load (slowest rank) |", "|---|---|---|---|---|"]
     for launch in launches:

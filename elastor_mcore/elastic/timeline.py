@@ -49,6 +49,9 @@ class LaunchRecord:
     """The stop signal (SIGINT, SIGTERM) forwarded to the launch, if one was."""
     exit_code: int | None = None
     silent_slots: list[int] = field(default_factory=list)
+    hang_timeout: str | None = None
+    """For a hang: the timeout the first silent slot exceeded, and how it was set
+    (``elastic.heartbeat.Timeout.rule``)."""
     died_slots: list[int] = field(default_factory=list)
     """Slots whose rank process was seen gone before torchrun exited."""
     detected_at: float | None = None
@@ -92,7 +95,7 @@ class Recovery:
 
 def _describe_detection(launch: LaunchRecord) -> str:
     if launch.outcome == "hang":
-        return f"heartbeat silent (slots {launch.silent_slots})"
+        return f"heartbeat silent (slots {launch.silent_slots}) past {launch.hang_timeout}"
     if launch.died_slots:
         return f"rank process gone (slots {launch.died_slots})"
     return f"exit code {launch.exit_code}"
@@ -102,8 +105,11 @@ def recovery(failed: LaunchRecord, after: LaunchRecord | None) -> Recovery:
     """The recovery from ``failed``; ``after`` is the next launch (None if given up)."""
     injected = failed.failures()
     first = injected[0] if injected else None
+    unreadable = failed.events("load_failed")
     what = (", ".join(f"{e['kind']} of slot {e['slot']} at step {e['step']}"
-                      for e in injected) or f"unplanned failure ({failed.outcome})")
+                      for e in injected)
+            or (f"load of step {failed.resumed_from} failed" if unreadable else "")
+            or f"unplanned failure ({failed.outcome})")
     start = first["time"] if first else failed.detected_at
     detect_s = failed.detected_at - start if first and failed.detected_at else None
     relaunch_s = load_s = first_step_s = total_s = None

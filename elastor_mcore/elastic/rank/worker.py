@@ -1,6 +1,6 @@
 """Entry point of every training rank: ``torchrun ... -m elastor_mcore.elastic.rank.worker``.
 
-``elastor train``, ``elastor demo`` and the supervisor (``elastic.job.TRAINER``)
+``elastor train``, ``elastor demo`` and the supervisor (``elastic.job.Trainer``)
 validate everything and then start this module through torchrun, with the argv of the
 run settings (``RunSettings.to_argv("worker")``); it is not meant to be run by hand.
 """

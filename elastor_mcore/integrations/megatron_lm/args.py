@@ -27,7 +27,8 @@ from elastor_mcore.checkpoint import ChunkPolicy
 from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
 from elastor_mcore.compat.mcore import set_tensor_parallel_args
 from elastor_mcore.integrations.megatron_lm import hooks, training
-from elastor_mcore.integrations.megatron_lm.installation import CKPT_FORMATS, ElastorOptions
+from elastor_mcore.integrations.megatron_lm.installation import (
+    CKPT_FORMATS, ElastorOptions, Installation)
 from elastor_mcore.integrations.megatron_lm.translate import (
     apply_layout_args, check_checkpoint_flags, explicit_flags, llama_differences,
     recipe_from_args, requested_sequence_parallel)
@@ -172,11 +173,12 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None, layout: Layo
         args, _tokenizer_vocab_size()).model.padded_vocab_size
 
 
-def install_hooks() -> None:
+def install_hooks() -> Installation:
     """The call ``patches/`` add before ``pretrain``: ``hooks.install`` with options
-    from Megatron-LM's parsed arguments when first needed."""
+    from Megatron-LM's parsed arguments when first needed. Calling it again keeps the
+    installation (and its ``observer``)."""
     from megatron.training import get_args
 
-    hooks.install(lambda: options_from_args(get_args(), _tokenizer_vocab_size()),
-                  on_parallel_state=lambda groups, layout: adapt_args(get_args(), groups,
-                                                                       layout))
+    return hooks.install(
+        lambda: options_from_args(get_args(), _tokenizer_vocab_size()),
+        on_parallel_state=lambda groups, layout: adapt_args(get_args(), groups, layout))

@@ -22,11 +22,14 @@ A run, in order (``docs/megatron-lm.md`` has the same list as a table):
 3. Model and optimizer: the model config is rebuilt from the adapted arguments,
    replicas are made equal and ZeRO-1 spans pipelines (its all-gather driven through
    the model chunk under ``--overlap-param-gather``).
-4. Loading (``--load``): the tracker and checkpoint on object storage, zarr
-   checkpoints read, per-layer keys.
+4. Loading (``--load``): the load timed, a failed one reported (``loop.py``), the
+   tracker and checkpoint on object storage, zarr checkpoints read, per-layer keys.
 5. Training: data per pipeline, Elastor's schedule (sequence parallelism, the
-   reduction overlapping the backward), the global gradient norm, the memory report.
-6. Saving (``--save``): zarr, foreground or async, to a directory or ``s3://``.
+   reduction overlapping the backward), every iteration reported to a launcher
+   watching the job (``loop.py``), the global gradient norm, evaluations, the memory
+   report.
+6. Saving (``--save``): zarr, foreground or async, to a directory or ``s3://``; the
+   launcher hears each save begin and end.
 
 The state every replacement shares is one ``installation.Installation``; its options
 are read on first use (Megatron-LM parses its arguments after ``install``).
@@ -39,7 +42,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from elastor_mcore.integrations.megatron_lm import object_storage, training, zarr_format
+from elastor_mcore.integrations.megatron_lm import loop, object_storage, training, zarr_format
 from elastor_mcore.integrations.megatron_lm.installation import (
     ElastorOptions, Installation, OnParallelState)
 from elastor_mcore.parallel.groups import GroupCache, build_groups, install as install_groups
@@ -128,6 +131,10 @@ PATCHES: tuple[Patch, ...] = (
           "under --overlap-param-gather the model chunk's start_param_sync and forward "
           "pre-hook switches become ZeRO-1's all-gather (overlap.py)"),
     # 4. loading
+    Patch(_TRAINING, "load_checkpoint", loop.wrap_load,
+          "setup_model_and_optimizer, with --load",
+          "the load timed for a launcher watching the job, a failed load reported to it "
+          "(which then resumes from the iteration before)"),
     Patch(_CKPT, "isfile", stateless(object_storage.wrap_isfile),
           "load_checkpoint: does the tracker exist (core_v0.16.1)", _TRACKER),
     Patch(_CKPT, "open_file", stateless(object_storage.wrap_open),
@@ -175,10 +182,19 @@ PATCHES: tuple[Patch, ...] = (
           "(sequence-parallel rows re-split) and the gradient reduction across pipelines "
           "(started during the backward under --overlap-grad-reduce); "
           "--elastor-report-memory: step 2 measured beside the planner (any layout)"),
+    Patch(_TRAINING, "train_step", loop.wrap_train_step, "every iteration",
+          "a launcher watching the job hears every iteration begin and end, with its loss "
+          "and time (heartbeats, metrics, the failure plan's injections)"),
     Patch("megatron.core.optimizer.optimizer", "get_grad_norm_fp32", training.wrap_grad_norm,
           "every step, in the optimizer",
           "heterogeneous: the global norm the schedule computed over every rank"),
+    Patch(_TRAINING, "evaluate_and_print_results", loop.between_iterations("evaluation"),
+          "every --eval-interval iterations",
+          "a launcher watching the job allows an evaluation its start-up timeout"),
     # 6. saving
+    Patch(_TRAINING, "save_checkpoint_and_time", loop.between_iterations("save"),
+          "every --save-interval iterations, and at the end",
+          "a launcher watching the job allows a save its start-up timeout"),
     Patch(_CKPT, "ensure_directory_exists", stateless(object_storage.wrap_ensure_directory),
           "save_checkpoint", "object-store prefixes need no directory"),
     Patch(_DIST, "save", zarr_format.wrap_save, "save_checkpoint",

@@ -50,6 +50,33 @@ OnParallelState = Callable[[RankGroups | None, Layout], None]
 """Called once the layout's groups are installed (``None``: this rank is idle)."""
 
 
+class LoopObserver:
+    """What a launcher watching the job sees of Megatron-LM's loop, on every rank
+    (``loop.py`` reports it; ``elastor launch --megatron-lm`` observes it through
+    ``elastic.rank.megatron``). Iterations are 1-based, as Megatron-LM logs them. The
+    base class sees nothing."""
+
+    def loaded(self, iteration: int, load_s: float) -> None:
+        """``load_checkpoint`` took ``load_s`` seconds; training resumes after
+        ``iteration`` (0: from the start)."""
+
+    def load_failed(self, error: BaseException) -> None:
+        """``load_checkpoint`` raised ``error`` (which goes on to stop the rank)."""
+
+    def iteration_start(self, iteration: int) -> None:
+        """Iteration ``iteration`` is about to run."""
+
+    def iteration_end(self, iteration: int, loss: float | None, time_s: float) -> None:
+        """Iteration ``iteration`` took ``time_s``; ``loss``: the global batch's mean
+        loss on a last pipeline stage, None elsewhere."""
+
+    def busy(self, what: str) -> None:
+        """Something other than an iteration (``save``, ``evaluation``) begins."""
+
+    def idle(self) -> None:
+        """It is over; the next iteration follows."""
+
+
 @dataclass
 class ScheduleState:
     """What the heterogeneous schedule keeps between steps (built on the first step:
@@ -89,6 +116,8 @@ class Installation:
     schedule: ScheduleState | None = None
     memory_report: MemoryReport | None = None
     """Under ``--elastor-report-memory`` (made when the loop first asks for its schedule)."""
+    observer: LoopObserver = field(default_factory=LoopObserver)
+    """Who watches the loop (``loop.py``); the base class: nobody."""
 
     def options(self) -> ElastorOptions:
         """The options in force (the provider is called once, on first use)."""

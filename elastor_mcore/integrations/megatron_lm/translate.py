@@ -163,6 +163,11 @@ def apply_layout_args(args: argparse.Namespace, explicit: dict[str, str],
         stages = layout.pipelines[0].stages
         derived = {"tensor_model_parallel_size": stages[0].tp,
                    "pipeline_model_parallel_size": len(stages)}
+        if len({s.layers for s in stages}) > 1 and not uneven_split_given(args):
+            # Megatron-LM validates PP against the layers before each rank's stage is set
+            # (``args.adapt_args``): without the split, 8 layers on 7 stages fail there.
+            args.pipeline_model_parallel_layout = pipeline_layout_string(
+                [s.layers for s in stages])
     else:  # each rank's values are set with its stage; these only pass Megatron's checks
         derived = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
     for dest, value in derived.items():
@@ -184,6 +189,21 @@ def apply_layout_args(args: argparse.Namespace, explicit: dict[str, str],
             f"--elastor-layout {spec}: virtual pipeline stages are not supported; drop "
             f"--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
     return layout
+
+
+def uneven_split_given(args: argparse.Namespace) -> bool:
+    """Whether Megatron-LM's own flags already say how layers split over stages."""
+    return any(getattr(args, name, None) is not None for name in (
+        "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers"))
+
+
+def pipeline_layout_string(stage_layers: Sequence[int]) -> str:
+    """``--pipeline-model-parallel-layout`` for these layers per stage: the embedding
+    (``E``) on the first stage, the loss (``L``) on the last, ``t`` per decoder layer."""
+    stages = ["t" * n for n in stage_layers]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    return "|".join(stages)
 
 
 def check_checkpoint_flags(args: argparse.Namespace) -> None:
