@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import pickle
 import statistics
@@ -328,6 +329,7 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                         report(name, world, f"grad lost {k}", case["grad"])
                 row.setdefault("failures", []).append(case)
             rows.append(row)
+            gc.collect()
     return rows
 
 
@@ -352,6 +354,7 @@ def main() -> int:
                         help="which plans to run (the planner always runs)")
     parser.add_argument("--out", default="bench_scale.json")
     args = parser.parse_args()
+    gc.disable()  # as a real save or load (checkpoint.gc_pause)
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],
                [int(k) for k in args.lost.split(",")], args.samples,
                set(args.only.split(",")))
