@@ -47,9 +47,11 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from elastor_mcore.checkpoint import plan as write_plan  # noqa: E402
-from elastor_mcore.checkpoint import reader, writer  # noqa: E402
+from elastor_mcore.checkpoint import reader  # noqa: E402
 from elastor_mcore.checkpoint.format import Manifest  # noqa: E402
-from elastor_mcore.checkpoint.plan import LocalShard  # noqa: E402
+from elastor_mcore.checkpoint.plan import (  # noqa: E402
+    LocalShard, WritePlan, assignments, merge, route)
+from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
 from elastor_mcore.geometry import common_refinement  # noqa: E402
 from elastor_mcore.parallel.layout import Layout, layout_from_dict  # noqa: E402
@@ -74,47 +76,78 @@ HARDWARE = REPO / "recipes/hardware/h100-80gb.yaml"
 
 @dataclass
 class Collective:
-    what: str
-    job_wide: bool
-    ranks: int
+    step: str
+    """The job-wide step this call belongs to (DCP counts its steps: a plan's gather
+    and scatter are one ``reduce_scatter``, a finish's gather and broadcast one
+    ``all_reduce``)."""
+    call: str
     max_sent: int
     max_received: int
 
 
 @dataclass
 class SimComm:
-    """Moves picklable objects between simulated ranks and counts what it moves."""
+    """Moves pickled messages between simulated ranks and counts what every rank of
+    the job sends and receives in each call (all of them job-wide)."""
 
     ranks: list[int]
     log: list[Collective] = field(default_factory=list)
     sent: dict[int, int] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
 
-    def _count(self, what: str, sent: dict[int, int], received: dict[int, int],
-               job_wide: bool = True) -> None:
+    def _count(self, step: str, call: str, sent: dict[int, int],
+               received: dict[int, int]) -> None:
         for rank, n in sent.items():
             self.sent[rank] = self.sent.get(rank, 0) + n
         for rank, n in received.items():
             self.received[rank] = self.received.get(rank, 0) + n
-        self.log.append(Collective(what, job_wide, len(sent), max(sent.values(), default=0),
+        self.log.append(Collective(step, call, max(sent.values(), default=0),
                                    max(received.values(), default=0)))
 
-    def all_gather_sizes(self, what: str, sizes: dict[int, int]) -> None:
+    def all_gather_sizes(self, step: str, sizes: dict[int, int]) -> None:
         """An ``all_gather_object`` of objects of these pickled sizes: each rank
         receives every other rank's object (and, in a ring, forwards as many bytes)."""
         total = sum(sizes.values())
         others = {r: total - sizes[r] for r in self.ranks}
-        self._count(what, others, others)
+        self._count(step, "all_gather_object", others, others)
 
-    def all_gather_small(self, what: str, value: Any) -> None:
-        """An ``all_gather_object`` where every rank contributes ``value`` (an error
-        slot, ``None`` when all is well)."""
-        self.all_gather_sizes(what, dict.fromkeys(self.ranks, len(pickle.dumps(value))))
+    def all_gather_small(self, step: str, value: Any) -> None:
+        """An ``all_gather_object`` where every rank contributes ``value``."""
+        self.all_gather_sizes(step, dict.fromkeys(self.ranks, len(pickle.dumps(value))))
+
+    def all_reduce(self, step: str, nbytes: int) -> None:
+        """An ``all_reduce`` of ``nbytes`` per rank (a ring sends and receives about
+        twice that)."""
+        each = dict.fromkeys(self.ranks, 2 * nbytes)
+        self._count(step, "all_reduce", each, each)
+
+    def broadcast(self, step: str, value: Any) -> None:
+        """``broadcast_object_list`` from the coordinator (a tree: each rank receives
+        the object once and forwards it at most twice)."""
+        n = len(pickle.dumps(value))
+        self._count(step, "broadcast_object_list", dict.fromkeys(self.ranks, 2 * n),
+                    dict.fromkeys(self.ranks, n))
+
+    def exchange(self, step: str, outbox: dict[int, dict[int, bytes]]) -> None:
+        """``comm.Comm.exchange``: ``outbox[dest][sender]`` pickled messages (a rank's
+        message to itself is not sent). Two ``all_to_all_single`` calls: the sizes (8
+        bytes to every rank), then the messages."""
+        n = len(self.ranks)
+        sizes = dict.fromkeys(self.ranks, 8 * (n - 1))
+        self._count(step, "all_to_all_single (sizes)", sizes, sizes)
+        sent = dict.fromkeys(self.ranks, 0)
+        received = dict.fromkeys(self.ranks, 0)
+        for dest, inbox in outbox.items():
+            for sender, blob in inbox.items():
+                if sender != dest:
+                    sent[sender] += len(blob)
+                    received[dest] += len(blob)
+        self._count(step, "all_to_all_single (messages)", sent, received)
 
     def summary(self) -> dict[str, Any]:
-        return {"job_wide_collectives": sum(c.job_wide for c in self.log),
-                "group_collectives": sum(not c.job_wide for c in self.log),
-                "calls": [c.what for c in self.log],
+        return {"job_wide_steps": len({c.step for c in self.log}),
+                "job_wide_calls": len(self.log),
+                "calls": [f"{c.step}: {c.call}" for c in self.log],
                 "max_sent_bytes": max(self.sent.values(), default=0),
                 "max_received_bytes": max(self.received.values(), default=0),
                 "max_exchanged_bytes": max((self.sent.get(r, 0) + self.received.get(r, 0)
@@ -122,6 +155,9 @@ class SimComm:
 
 
 def cpu(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``fn``'s result and CPU seconds. The cyclic garbage collector is off (``main``):
+    a save or load pauses it on a real rank (``checkpoint.gc_pause``), and here a
+    collection would walk every simulated rank's objects at once."""
     start = time.process_time()
     out = fn()
     return time.process_time() - start, out
@@ -189,69 +225,136 @@ def page_cache(rank: int) -> str:
     return f"node{rank // GPUS_PER_NODE}"
 
 
+class RankClock:
+    """CPU seconds per simulated rank, summed over the phases each rank runs."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def run(self, rank: int, fn: Callable[[], Any]) -> Any:
+        seconds, out = cpu(fn)
+        self.seconds[rank] = self.seconds.get(rank, 0.0) + seconds
+        return out
+
+    def summary(self, sampled: dict[int, float] | None = None) -> dict[str, Any]:
+        """The slowest rank (and which), adding ``sampled``'s slowest where a phase ran
+        on the sampled ranks only."""
+        rank = max(self.seconds, key=self.seconds.get)
+        extra = max(sampled.values()) if sampled else 0.0
+        return {"plan_cpu_s_max": self.seconds[rank] + extra, "slowest_rank": rank,
+                "plan_cpu_s_median": statistics.median(self.seconds.values()) + extra,
+                "sampled_phase_s_max": extra}
+
+
+def exchange_to_owners(recipe: Recipe, layout: Layout, clock: RankClock,
+                       message: Callable[[int, list], dict[int, Any]]
+                       ) -> dict[int, dict[int, bytes]]:
+    """Every rank's local plan (``message``: its shard descriptions, by destination),
+    pickled as ``Comm.exchange`` sends it: ``outbox[dest][sender]``."""
+    outbox: dict[int, dict[int, bytes]] = {}
+    for rank in layout.ranks:
+        infos = layout_shard_infos(recipe.model, layout, rank)
+        routed = clock.run(rank, lambda: {dest: pickle.dumps(m)
+                                          for dest, m in message(rank, infos).items()})
+        for dest, blob in routed.items():
+            outbox.setdefault(dest, {})[rank] = blob
+    return outbox
+
+
+def receive(clock: RankClock, rank: int, inbox: dict[int, bytes]) -> dict[int, Any]:
+    return clock.run(rank, lambda: {s: pickle.loads(b) for s, b in sorted(inbox.items())})
+
+
 def save_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
-    """``writer._write_checkpoint``'s planning: validate and agree, gather the shard
-    boxes, ``build_plan``, agree, the rank's units and metadata share, agree, the
-    coordinator's manifest, agree."""
+    """``writer._write_checkpoint``'s planning, step by step as the real code runs it
+    (``writer.plan_save``, then the finish), every rank simulated. The writer balance
+    is the largest writer's bytes over the mean writer's."""
     ranks = list(layout.ranks)
-    sim = SimComm(ranks)
-    sim.all_gather_small("agree: validation", None)
-    payloads = pickled(recipe, layout)
-    sim.all_gather_sizes("all_gather: shard boxes", {r: len(p) for r, p in payloads.items()})
+    coordinator = ranks[0]
     policy = chunk_policy(recipe)
-    per_rank, the_plan = [], None
-    for rank in sample_ranks(ranks, samples):
-        unpickle_s, gathered = cpu(lambda: {r: pickle.loads(p) for r, p in payloads.items()})
-        the_plan = None
-        plan_s, the_plan = cpu(lambda: write_plan.build_plan(gathered, policy))
-        share_s, _ = cpu(lambda: (the_plan.units_of(rank), writer.metadata_creators(the_plan)))
-        per_rank.append({"rank": rank, "unpickle_s": unpickle_s, "plan_s": plan_s,
-                         "share_s": share_s, "total_s": unpickle_s + plan_s + share_s})
-        del gathered
-    sim.all_gather_small("agree: temporary directory", None)
-    sim.all_gather_small("agree: writes", None)
+    sim, clock = SimComm(ranks), RankClock()
+    outbox = exchange_to_owners(recipe, layout, clock, lambda r, infos: route(infos, ranks))
+    sim.exchange("plan", outbox)
+    replies: dict[int, dict[int, bytes]] = {}
+    owned: dict[int, list] = {}
+    entries: dict[str, Any] = {}
+    for owner, inbox in outbox.items():
+        received = receive(clock, owner, inbox)
+        mine, owned[owner] = clock.run(owner, lambda: write_plan.plan_tensors(received, policy))
+        entries.update(mine)
+        parts = clock.run(owner, lambda: {r: pickle.dumps(a) for r, a in assignments(
+            mine, owned[owner], coordinator).items()})
+        for rank, blob in parts.items():
+            replies.setdefault(rank, {})[owner] = blob
+    del outbox
+    sim.exchange("plan", replies)
+    writers: dict[tuple, int] = {}
+    wrote = 0
+    for rank in ranks:
+        parts = receive(clock, rank, replies.pop(rank, {}))
+        plan = clock.run(rank, lambda: merge(rank, parts.values(), owned.get(rank, ())))
+        writers.update({(u.key, u.box.offset): rank for u in plan.units})
+        wrote += bool(plan.units)
+    sim.all_reduce("finish", 16)
     manifest_s, text = cpu(lambda: Manifest.build(
-        0, the_plan.entries, len({u.writer for u in the_plan.units}),
-        {"layout": layout.to_dict()}).to_json())
-    sim.all_gather_small("agree: commit", None)
-    loads = the_plan.bytes_by_rank()
-    writers = [n for n in loads.values() if n]
-    return {"ranks": len(ranks), "per_rank": per_rank, **sim.summary(),
-            "plan_cpu_s_max": max(p["total_s"] for p in per_rank),
+        0, entries, wrote, {"layout": layout.to_dict()}).to_json())
+    sim.broadcast("finish", None)
+    whole = WritePlan(entries, [dataclasses.replace(u, writer=writers[u.key, u.box.offset])
+                                for units in owned.values() for u in units])
+    loads = whole.bytes_by_rank()
+    writers_bytes = [n for n in loads.values() if n]
+    return {"ranks": len(ranks), **clock.summary(), **sim.summary(),
             "coordinator_manifest_s": manifest_s, "manifest_bytes": len(text),
-            "tensors": len(the_plan.entries),
-            "files": len(the_plan.units) + len(the_plan.entries) + 2,
-            "writer_balance": max(writers) / statistics.mean(writers),
-            "bytes": sum(e.nbytes for e in the_plan.entries.values())}
+            "tensors": len(whole.entries), "files": len(whole.units) + len(whole.entries) + 2,
+            "writer_balance": max(writers_bytes) / statistics.mean(writers_bytes),
+            "bytes": sum(e.nbytes for e in whole.entries.values())}
 
 
 def load_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
-    """``reader._load``'s planning: agree on the step, gather every rank's targets and
-    page cache, ``SharedReads.plan``, agree after the reads."""
+    """``reader._load``'s planning (``reader.plan_load``), then the agreement after the
+    reads, every rank simulated; ``SharedReads.build`` (views into the targets: meta
+    tensors here) on ``samples`` ranks."""
     ranks = list(layout.ranks)
-    sim = SimComm(ranks)
-    sim.all_gather_small("all_gather: step directory", (None, "/checkpoints/step_00000000"))
-    payloads = pickled(recipe, layout, lambda r, infos: (None, infos, page_cache(r)))
-    sim.all_gather_sizes("all_gather: targets and page caches",
-                         {r: len(p) for r, p in payloads.items()})
-    per_rank = []
-    for rank in sample_ranks(ranks, samples):
+    coordinator = ranks[0]
+    sim, clock = SimComm(ranks), RankClock()
+    step_dir = "/checkpoints/step_00000000"
+
+    def requests(rank: int, infos: list) -> dict[int, LoadRequest]:
+        out = {owner: LoadRequest(tuple(mine), page_cache(rank))
+               for owner, mine in route(infos, ranks).items()}
+        if rank == coordinator:
+            for r in ranks:
+                out[r] = LoadRequest(out.get(r, LoadRequest((), "")).infos,
+                                     page_cache(rank), step_dir)
+        return out
+
+    outbox = exchange_to_owners(recipe, layout, clock, requests)
+    sim.exchange("plan", outbox)
+    replies: dict[int, dict[int, bytes]] = {}
+    for owner, inbox in outbox.items():
+        received = receive(clock, owner, inbox)
+        pieces = clock.run(owner, lambda: {r: pickle.dumps(p) for r, p in
+                                           reader.plan_reads(received).items()})
+        for rank, blob in pieces.items():
+            replies.setdefault(rank, {})[owner] = blob
+    del outbox
+    sim.exchange("plan", replies)
+    built, read_bytes = {}, []
+    chosen = set(sample_ranks(ranks, samples))
+    for rank in ranks:
+        parts = receive(clock, rank, replies.get(rank, {}))
+        if rank not in chosen:
+            continue
         targets = [LocalShard(i.key, i.global_shape, i.box.offset,
                               torch.empty(i.box.shape, device="meta"))
                    for i in layout_shard_infos(recipe.model, layout, rank)]
-        unpickle_s, gathered = cpu(lambda: [pickle.loads(p) for p in payloads.values()])
-        reader.comm.global_rank = lambda rank=rank: rank  # the simulated rank's view
-        reader._carries_cpu = lambda group: True          # gloo: replicas share reads
-        plan_s, shared = cpu(lambda: reader.SharedReads.plan(
-            targets, {r: g[1] for r, g in zip(payloads, gathered)},
-            {r: g[2] for r, g in zip(payloads, gathered)}))
-        per_rank.append({"rank": rank, "unpickle_s": unpickle_s, "plan_s": plan_s,
-                         "total_s": unpickle_s + plan_s, "read_bytes": shared.read_bytes,
-                         "received_bytes": shared.received_bytes})
-        del gathered
-    sim.all_gather_small("agree: reads", None)
-    return {"ranks": len(ranks), "per_rank": per_rank, **sim.summary(),
-            "plan_cpu_s_max": max(p["total_s"] for p in per_rank)}
+        seconds, shared = cpu(lambda: reader.SharedReads.build(
+            rank, targets, [p for part in parts.values() for p in part]))
+        built[rank] = seconds
+        read_bytes.append(shared.read_bytes)
+    sim.all_reduce("agree", 8)
+    return {"ranks": len(ranks), **clock.summary(built), **sim.summary(),
+            "read_bytes_max_sampled": max(read_bytes)}
 
 
 def grad_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
@@ -260,8 +363,7 @@ def grad_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
     ranks = list(layout.ranks)
     sim = SimComm(ranks)
     payloads = pickled(recipe, layout, prefixes=("",))
-    sim.all_gather_sizes("all_gather: model shard boxes",
-                         {r: len(p) for r, p in payloads.items()})
+    sim.all_gather_sizes("gather shard boxes", {r: len(p) for r, p in payloads.items()})
     pipeline_of = {r: layout.position(r).pipeline for r in ranks}
     per_rank = []
     for rank in sample_ranks(ranks, samples):
@@ -341,7 +443,50 @@ def report(model: str, world: int, what: str, case: dict) -> None:
     print(f"{model} @ {world} {what}: {case['ranks']} ranks, plan CPU "
           f"{case['plan_cpu_s_max']:.3f} s/rank, exchanged "
           f"{case['max_exchanged_bytes'] / 1e6:.2f} MB/rank, "
-          f"{case['job_wide_collectives']} job-wide collectives{extra}", flush=True)
+          f"{case['job_wide_steps']} job-wide steps ({case['job_wide_calls']} calls){extra}",
+          flush=True)
+
+
+def _steps(case: dict) -> tuple[int, int]:
+    """(job-wide steps, calls); the tool's run of the code before the plan step
+    (``docs/bench_scale_before.json``, the tool of commit a532409) counted each
+    collective as both: each was a step of its own."""
+    old = case.get("job_wide_collectives")
+    return case.get("job_wide_steps", old), case.get("job_wide_calls", old)
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per model: a row per world and case (the uniform layout's save, then
+    each failure's save, load and planner)."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        out += [f"**{model}**", "",
+                "| GPUs | case | ranks | save CPU s/rank | save MB/rank | save steps (calls) "
+                "| load CPU s/rank | load MB/rank | load steps (calls) | manifest MB | files "
+                "| writer max/mean | planner s |",
+                "| " + " | ".join(["---"] * 13) + " |"]
+        for row in (r for r in rows if r["model"] == model):
+            if "skipped" in row:
+                out.append(f"| {row['world']:,} | {row['skipped']} |" + " |" * 11)
+                continue
+            cases = [("uniform", row.get("save_uniform"), None, None)]
+            cases += [(f"lost {f['lost']}", f.get("save"), f.get("load"), f["planner"])
+                      for f in row.get("failures", [])]
+            for name, save, load, planner in cases:
+                cells = [f"{row['world']:,}", name]
+                cells.append(str((save or load or {}).get("ranks", "")))
+                for case in (save, load):
+                    cells += ([f"{case['plan_cpu_s_max']:.3f}",
+                               f"{case['max_exchanged_bytes'] / 1e6:.2f}",
+                               "{} ({})".format(*_steps(case))]
+                              if case else ["", "", ""])
+                cells += ([f"{save['manifest_bytes'] / 1e6:.2f}", f"{save['files']:,}",
+                           f"{save['writer_balance']:.2f}"] if save else ["", "", ""])
+                cells.append("" if planner is None else
+                             f"{planner['cpu_s']:.3f}" if "cpu_s" in planner else "no layout")
+                out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
 
 
 def main() -> int:
@@ -353,8 +498,14 @@ def main() -> int:
     parser.add_argument("--only", default="save,load,grad",
                         help="which plans to run (the planner always runs)")
     parser.add_argument("--out", default="bench_scale.json")
+    parser.add_argument("--table", nargs="+", metavar="JSON",
+                        help="print the tables of earlier runs' JSON files and exit")
     args = parser.parse_args()
-    gc.disable()  # as a real save or load (checkpoint.gc_pause)
+    if args.table:
+        print(markdown([r for path in args.table
+                        for r in json.loads(Path(path).read_text())["rows"]]))
+        return 0
+    gc.disable()
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],
                [int(k) for k in args.lost.split(",")], args.samples,
                set(args.only.split(",")))

@@ -1,17 +1,24 @@
 """Who writes what: turn every rank's shards into write units, each written once.
 
-Every rank computes the same plan from the same gathered shard descriptions, so the
-plan costs one ``all_gather_object`` of metadata and no further agreement. A write
-unit is one file (outer chunk) of one tensor; files never straddle a cell of the
-common refinement, so each has a fixed set of holders and exactly one writer.
+A write unit is one file (outer chunk) of one tensor; files never straddle a cell of
+the common refinement of the tensor's shards, so each has a fixed set of holders and
+exactly one writer. Nothing about one tensor depends on another's shards, so each
+tensor is planned by one rank, its *owner* (``owner_of``), from the shards of the
+ranks that hold it, as DCP plans: each rank's local plan (``route``: its shard
+descriptions, by owner), the owners' global plan of their tensors (``build_plan``),
+and each rank's part of it (``assignments``, ``merge``). A rank's work and messages
+follow the tensors it holds and owns, not the size of the job.
 """
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import itertools
 import math
+import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -70,8 +77,17 @@ class WriteUnit:
 
 @dataclass
 class WritePlan:
+    """A plan as one rank knows it. From ``build_plan`` (every tensor in one process):
+    every unit, with its writer. On a rank of a save (``merge``): the units it writes
+    (their holders unknown to it: ``()``), the entries of the arrays it holds (every
+    entry on the coordinator), and as an owner its tensors' units, without writers."""
+
     entries: dict[str, TensorEntry]
     units: list[WriteUnit]
+    creates: tuple[str, ...] = ()
+    """Arrays whose metadata this rank creates (``metadata_creators``)."""
+    owned: tuple[WriteUnit, ...] = ()
+    """Every unit of the tensors this rank planned as their owner (``merge``)."""
 
     def bytes_by_rank(self) -> dict[int, int]:
         load: dict[int, int] = {}
@@ -89,7 +105,9 @@ def assign_writers(units: Sequence[WriteUnit]) -> list[WriteUnit]:
     """Give each unit one writer among its holders, balancing bytes per rank.
 
     Units with a single holder are forced; the rest go, largest first, to the
-    least-loaded holder (ties: lowest rank). Deterministic for a given input order.
+    least-loaded holder. Ties go to the holders in an order rotated by a hash of the
+    tensor's key, so owners that plan their tensors independently do not all start
+    on the lowest rank. Deterministic for a given input order.
     """
     load: dict[int, int] = {r: 0 for u in units for r in u.holders}
     writer: dict[int, int] = {}
@@ -100,7 +118,9 @@ def assign_writers(units: Sequence[WriteUnit]) -> list[WriteUnit]:
     shared = sorted((i for i, u in enumerate(units) if len(u.holders) > 1),
                     key=lambda i: -units[i].nbytes)
     for i in shared:
-        rank = min(units[i].holders, key=lambda r: (load[r], r))
+        holders = units[i].holders
+        turn = _key_hash(units[i].key) % len(holders)
+        rank = min(holders, key=lambda r: (load[r], (holders.index(r) - turn) % len(holders)))
         writer[i] = rank
         load[rank] += units[i].nbytes
     return [WriteUnit(u.key, u.box, u.holders, u.nbytes, writer[i])
@@ -114,9 +134,29 @@ def _grid(cell: Box, shard: Sequence[int]) -> list[Box]:
             for lo in itertools.product(*ranges)]
 
 
-def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]],
-               policy: ChunkPolicy) -> WritePlan:
-    """Index entries and writer assignment for the shards of every rank."""
+def _key_hash(key: str) -> int:
+    """Stable across processes (Python's ``hash`` of a string is not)."""
+    return zlib.crc32(key.encode())
+
+
+def owner_of(key: str, ranks: Sequence[int]) -> int:
+    """The rank of ``ranks`` that plans tensor ``key``: spread by a hash of the key,
+    so a job's tensors spread over its ranks and each rank owns few."""
+    return ranks[_key_hash(key) % len(ranks)]
+
+
+def route(infos: Iterable[ShardInfo], ranks: Sequence[int]) -> dict[int, list[ShardInfo]]:
+    """A rank's local plan: its shard descriptions, by the owner of each tensor."""
+    out: dict[int, list[ShardInfo]] = {}
+    for info in infos:
+        out.setdefault(owner_of(info.key, ranks), []).append(info)
+    return out
+
+
+def plan_tensors(infos_by_rank: dict[int, Sequence[ShardInfo]],
+                 policy: ChunkPolicy) -> tuple[dict[str, TensorEntry], list[WriteUnit]]:
+    """Index entries and units (without writers) of the tensors in ``infos_by_rank``
+    (each rank's shards of them): an owner's global plan of its tensors."""
     dtypes: dict[str, str] = {}
     boxes: dict[str, list[Box]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -147,4 +187,122 @@ def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]],
         raise CheckpointError(
             f"no rank holds part of tensor(s) {missing[:5]}: the saving ranks' shards must "
             f"cover every global tensor")
-    return WritePlan(entries, assign_writers(units))
+    return entries, units
+
+
+@dataclass(frozen=True)
+class Held:
+    """A unit as one of its holders learns it from the tensor's owner: which holder
+    set it belongs to (``group``, a hash of the ranks, and their number) and where
+    this holder stands in it, but not the ranks themselves (a set may span the job)."""
+
+    key: str
+    box: Box
+    nbytes: int
+    group: int
+    holders: int
+    position: int
+
+
+def holder_group(holders: Sequence[int]) -> int:
+    """A 64-bit name of a holder set, the same in every process."""
+    data = b"".join(r.to_bytes(4, "little") for r in holders)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def writer_positions(units: Sequence[Held]) -> list[int]:
+    """The writer of each unit, as a position in its holder set: the units of one set
+    go, largest first, to the position that writes the fewest bytes so far (ties
+    rotated by the set's name, so one rank is not everyone's first choice). Each
+    holder of a set holds every unit of the set, so all of them compute the same
+    writers from their own units: a whole set's balance with no further message."""
+    order = sorted(range(len(units)), key=lambda i: (
+        units[i].group, -units[i].nbytes, units[i].key, units[i].box.offset))
+    heaps: dict[int, list[tuple[int, int, int]]] = {}
+    out = [0] * len(units)
+    for i in order:
+        unit = units[i]
+        heap = heaps.get(unit.group)
+        if heap is None:
+            turn = unit.group % unit.holders
+            heap = heaps[unit.group] = [(0, (p - turn) % unit.holders, p)
+                                        for p in range(unit.holders)]
+            heapq.heapify(heap)
+        load, tie, position = heapq.heappop(heap)
+        heapq.heappush(heap, (load + unit.nbytes, tie, position))
+        out[i] = position
+    return out
+
+
+def held_units(units: Iterable[WriteUnit]) -> dict[int, list[Held]]:
+    """Each holder's view of ``units``."""
+    out: dict[int, list[Held]] = {}
+    for unit in units:
+        group = holder_group(unit.holders)
+        for position, rank in enumerate(unit.holders):
+            out.setdefault(rank, []).append(Held(unit.key, unit.box, unit.nbytes, group,
+                                                 len(unit.holders), position))
+    return out
+
+
+def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]],
+               policy: ChunkPolicy) -> WritePlan:
+    """The whole plan of the tensors in ``infos_by_rank``, in one process: what the
+    ranks of a save compute between them (``plan_tensors`` by the owners,
+    ``writer_positions`` by the holders)."""
+    entries, units = plan_tensors(infos_by_rank, policy)
+    writers: dict[tuple[str, tuple[int, ...]], int] = {}
+    for rank, held in held_units(units).items():
+        for unit, position in zip(held, writer_positions(held)):
+            if position == unit.position:
+                writers[unit.key, unit.box.offset] = rank
+    units = [WriteUnit(u.key, u.box, u.holders, u.nbytes, writers[u.key, u.box.offset])
+             for u in units]
+    plan = WritePlan(entries, units)
+    plan.creates = tuple(sorted(metadata_creators(plan)))
+    return plan
+
+
+def metadata_creators(plan: WritePlan) -> dict[str, int]:
+    """Per array, the rank that creates its metadata: the writer of its first file
+    (the one at the origin), so ranks that write the same arrays share the work."""
+    return {u.key: u.writer for u in plan.units if not any(u.box.offset)}
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """What an owner tells one rank: the units it holds of the owner's tensors, and
+    their entries (the coordinator gets every entry)."""
+
+    entries: dict[str, TensorEntry]
+    held: tuple[Held, ...] = ()
+
+
+def assignments(entries: dict[str, TensorEntry], units: Sequence[WriteUnit],
+                coordinator: int) -> dict[int, Assignment]:
+    """An owner's plan (``plan_tensors``) cut into each holder's part."""
+    out = {rank: Assignment({k: entries[k] for k in sorted({u.key for u in held})},
+                            tuple(held))
+           for rank, held in sorted(held_units(units).items())}
+    if entries:
+        out[coordinator] = Assignment(dict(entries), out.get(coordinator,
+                                                             Assignment({})).held)
+    return out
+
+
+def merge(rank: int, parts: Iterable[Assignment],
+          owned: Sequence[WriteUnit] = ()) -> WritePlan:
+    """This rank's plan from the owners' ``assignments``: the units it writes
+    (``writer_positions``), the arrays whose first file it writes (it creates their
+    metadata), and, as an owner, its tensors' units."""
+    entries: dict[str, TensorEntry] = {}
+    held: list[Held] = []
+    for part in parts:
+        entries.update(part.entries)
+        held.extend(part.held)
+    units = sorted((WriteUnit(h.key, h.box, (), h.nbytes, rank)
+                    for h, position in zip(held, writer_positions(held))
+                    if position == h.position), key=lambda u: (u.key, u.box.offset))
+    plan = WritePlan(dict(sorted(entries.items())), units, owned=tuple(owned))
+    plan.creates = tuple(sorted(metadata_creators(plan)))
+    return plan
