@@ -50,7 +50,7 @@ from elastor_mcore.checkpoint import plan as write_plan  # noqa: E402
 from elastor_mcore.checkpoint import reader  # noqa: E402
 from elastor_mcore.checkpoint.format import Manifest  # noqa: E402
 from elastor_mcore.checkpoint.plan import (  # noqa: E402
-    LocalShard, WritePlan, assignments, merge, route)
+    LocalShard, WritePlan, assignments, held_bytes, merge, route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
 from elastor_mcore.geometry import common_refinement  # noqa: E402
@@ -273,17 +273,20 @@ def save_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
     coordinator = ranks[0]
     policy = chunk_policy(recipe)
     sim, clock = SimComm(ranks), RankClock()
-    outbox = exchange_to_owners(recipe, layout, clock, lambda r, infos: route(infos, ranks))
+    outbox = exchange_to_owners(recipe, layout, clock, lambda r, infos: {
+        owner: (held_bytes(infos), mine) for owner, mine in route(infos, ranks).items()})
     sim.exchange("plan", outbox)
     replies: dict[int, dict[int, bytes]] = {}
     owned: dict[int, list] = {}
     entries: dict[str, Any] = {}
     for owner, inbox in outbox.items():
         received = receive(clock, owner, inbox)
-        mine, owned[owner] = clock.run(owner, lambda: write_plan.plan_tensors(received, policy))
+        mine, owned[owner] = clock.run(owner, lambda: write_plan.plan_tensors(
+            {r: m for r, (_, m) in received.items()}, policy))
         entries.update(mine)
         parts = clock.run(owner, lambda: {r: pickle.dumps(a) for r, a in assignments(
-            mine, owned[owner], coordinator).items()})
+            mine, owned[owner], coordinator, {r: t for r, (t, _) in received.items()}
+        ).items()})
         for rank, blob in parts.items():
             replies.setdefault(rank, {})[owner] = blob
     del outbox

@@ -146,7 +146,8 @@ def owner_of(key: str, ranks: Sequence[int]) -> int:
 
 
 def route(infos: Iterable[ShardInfo], ranks: Sequence[int]) -> dict[int, list[ShardInfo]]:
-    """A rank's local plan: its shard descriptions, by the owner of each tensor."""
+    """A rank's local plan: its shard descriptions, by the owner of each tensor (a
+    save sends ``held_bytes`` with them)."""
     out: dict[int, list[ShardInfo]] = {}
     for info in infos:
         out.setdefault(owner_of(info.key, ranks), []).append(info)
@@ -193,8 +194,10 @@ def plan_tensors(infos_by_rank: dict[int, Sequence[ShardInfo]],
 @dataclass(frozen=True)
 class Held:
     """A unit as one of its holders learns it from the tensor's owner: which holder
-    set it belongs to (``group``, a hash of the ranks, and their number) and where
-    this holder stands in it, but not the ranks themselves (a set may span the job)."""
+    set it belongs to (``group``, a hash of the ranks, and their number), where this
+    holder stands in it, and how many bytes each member holds in all (``weights``:
+    runs of ``(bytes, members)`` in position order), but not the ranks themselves (a
+    set may span the job)."""
 
     key: str
     box: Box
@@ -202,6 +205,7 @@ class Held:
     group: int
     holders: int
     position: int
+    weights: tuple[tuple[int, int], ...]
 
 
 def holder_group(holders: Sequence[int]) -> int:
@@ -212,37 +216,58 @@ def holder_group(holders: Sequence[int]) -> int:
 
 def writer_positions(units: Sequence[Held]) -> list[int]:
     """The writer of each unit, as a position in its holder set: the units of one set
-    go, largest first, to the position that writes the fewest bytes so far (ties
-    rotated by the set's name, so one rank is not everyone's first choice). Each
-    holder of a set holds every unit of the set, so all of them compute the same
-    writers from their own units: a whole set's balance with no further message."""
+    go, largest first, to the member whose bytes written so far, times the bytes it
+    holds in all, are the least (ties rotated by the set's name, so one rank is not
+    everyone's first choice). Weighting by what a member holds makes a rank that
+    holds more (a longer stage of a heterogeneous layout) write less of each set it
+    shares, as one plan of the whole job balancing every rank would. Each holder of a
+    set holds every unit of the set, so all of them compute the same writers from
+    their own units, with no further message."""
     order = sorted(range(len(units)), key=lambda i: (
         units[i].group, -units[i].nbytes, units[i].key, units[i].box.offset))
-    heaps: dict[int, list[tuple[int, int, int]]] = {}
+    heaps: dict[int, list[tuple[int, int, int, int, int]]] = {}
     out = [0] * len(units)
     for i in order:
         unit = units[i]
         heap = heaps.get(unit.group)
         if heap is None:
             turn = unit.group % unit.holders
-            heap = heaps[unit.group] = [(0, (p - turn) % unit.holders, p)
+            weights = [max(1, w) for w, n in unit.weights for _ in range(n)]
+            heap = heaps[unit.group] = [(0, (p - turn) % unit.holders, p, 0, weights[p])
                                         for p in range(unit.holders)]
             heapq.heapify(heap)
-        load, tie, position = heapq.heappop(heap)
-        heapq.heappush(heap, (load + unit.nbytes, tie, position))
+        _, tie, position, load, weight = heapq.heappop(heap)
+        load += unit.nbytes
+        heapq.heappush(heap, (load * weight, tie, position, load, weight))
         out[i] = position
     return out
 
 
-def held_units(units: Iterable[WriteUnit]) -> dict[int, list[Held]]:
-    """Each holder's view of ``units``."""
+def held_units(units: Iterable[WriteUnit],
+               held_bytes: dict[int, int]) -> dict[int, list[Held]]:
+    """Each holder's view of ``units``; ``held_bytes``: what each rank holds in all."""
     out: dict[int, list[Held]] = {}
+    weights: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
     for unit in units:
         group = holder_group(unit.holders)
+        if unit.holders not in weights:  # one object per set: pickled once per message
+            runs: list[list[int]] = []
+            for rank in unit.holders:
+                if runs and runs[-1][0] == held_bytes[rank]:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([held_bytes[rank], 1])
+            weights[unit.holders] = tuple((w, n) for w, n in runs)
         for position, rank in enumerate(unit.holders):
             out.setdefault(rank, []).append(Held(unit.key, unit.box, unit.nbytes, group,
-                                                 len(unit.holders), position))
+                                                 len(unit.holders), position,
+                                                 weights[unit.holders]))
     return out
+
+
+def held_bytes(infos: Iterable[ShardInfo]) -> int:
+    """What a rank holds in all: the weight of its writes (``writer_positions``)."""
+    return sum(info.box.numel * DTYPE_ITEMSIZE.get(info.dtype, 1) for info in infos)
 
 
 def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]],
@@ -252,7 +277,8 @@ def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]],
     ``writer_positions`` by the holders)."""
     entries, units = plan_tensors(infos_by_rank, policy)
     writers: dict[tuple[str, tuple[int, ...]], int] = {}
-    for rank, held in held_units(units).items():
+    totals = {rank: held_bytes(infos) for rank, infos in infos_by_rank.items()}
+    for rank, held in held_units(units, totals).items():
         for unit, position in zip(held, writer_positions(held)):
             if position == unit.position:
                 writers[unit.key, unit.box.offset] = rank
@@ -279,11 +305,12 @@ class Assignment:
 
 
 def assignments(entries: dict[str, TensorEntry], units: Sequence[WriteUnit],
-                coordinator: int) -> dict[int, Assignment]:
-    """An owner's plan (``plan_tensors``) cut into each holder's part."""
+                coordinator: int, totals: dict[int, int]) -> dict[int, Assignment]:
+    """An owner's plan (``plan_tensors``) cut into each holder's part; ``totals``:
+    what each holder holds in all (it sent ``held_bytes`` with its shards)."""
     out = {rank: Assignment({k: entries[k] for k in sorted({u.key for u in held})},
                             tuple(held))
-           for rank, held in sorted(held_units(units).items())}
+           for rank, held in sorted(held_units(units, totals).items())}
     if entries:
         out[coordinator] = Assignment(dict(entries), out.get(coordinator,
                                                              Assignment({})).held)
