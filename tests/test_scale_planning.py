@@ -32,7 +32,7 @@ import pytest
 
 from elastor_mcore.checkpoint.format import ChunkPolicy, choose_entry
 from elastor_mcore.checkpoint.plan import (
-    assignments, build_plan, held_bytes, merge, plan_tensors, route)
+    assignments, build_plan, file_units, held_bytes, merge, plan_tensors, route)
 from elastor_mcore.checkpoint.reader import LoadRequest, plan_reads
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.geometry import boundaries, common_refinement
@@ -95,10 +95,10 @@ def simulate_save(infos, ranks, policy):
     totals = {rank: held_bytes(infos[rank]) for rank in ranks}
     owned = {owner: plan_tensors(inbox, policy) for owner, inbox in outbox.items()}
     parts: dict[int, dict] = {}
-    for owner, (entries, units) in owned.items():
-        for rank, part in assignments(entries, units, ranks[0], totals).items():
+    for owner, (entries, cells) in owned.items():
+        for rank, part in assignments(entries, cells, ranks[0], totals).items():
             parts.setdefault(rank, {})[owner] = part
-    plans = {r: merge(r, parts.get(r, {}).values(), owned.get(r, ({}, []))[1])
+    plans = {r: merge(r, parts.get(r, {}).values(), file_units(*owned.get(r, ({}, []))))
              for r in ranks}
     writers = {(u.key, u.box.offset): r for r, p in plans.items() for u in p.units}
     units = [dataclasses.replace(u, writer=writers[u.key, u.box.offset])

@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python tools/bench_scale.py [--models llama3-8b,llama3-70b,llama3-405b]
         [--worlds 64,512,4096,16384] [--lost 1,8,64] [--samples 3] [--out FILE]
+    PYTHONPATH=. python tools/bench_scale.py --table FILE...   # markdown tables
 
 Each rank's state is what ``parallel.shards.layout_shard_infos`` derives from the
 layout and the recipe's shapes (the fp32 main weights and AdamW's two moments of the
@@ -11,20 +12,22 @@ rank's ShardedTensors; ``tests/test_bench_scale.py`` checks it against real mcor
 would use (``UNIFORM``), and the planner's layout after losing 1, 8 and 64 GPUs
 scattered over the nodes. Per case:
 
-* **save** under the uniform layout and under each failure layout: the writer
-  assignment, the array metadata each rank creates, and the coordinator's manifest;
-* **load** of the uniform layout's checkpoint under each failure layout: the reader's
-  refinement and the assignment of shared reads;
-* **grad cells**: the gradient-reduction cells and buckets (``runtime.grad_sync``);
+* **save** under the uniform layout and under each failure layout: ``writer.plan_save``
+  (the owners' plans, the holders' writers and metadata creators) and the finish
+  (the coordinator's manifest);
+* **load** of the uniform layout's checkpoint under each failure layout:
+  ``reader.plan_load`` (the owners' refinements and shared reads);
+* **grad cells**: the gradient-reduction cells and buckets (``runtime.grad_sync``,
+  unchanged: a gather of every rank's boxes and the whole job's refinement);
 * **planner**: ``planner.plan`` for the alive GPUs (H100-80GB profile).
 
-Collectives go through ``SimComm``: a call that every rank of the job takes part in
-is a job-wide collective; each records the bytes every rank sends and receives (the
-pickled objects, as ``all_gather_object`` moves them: a rank receives every other
-rank's object). Per-rank CPU is ``time.process_time`` of one rank's share of the
-work (unpickling what it receives, then planning), on ``--samples`` ranks spread
-over the job (where every rank computes the same whole-job plan, one sample stands
-for all). Nothing here writes or reads storage.
+Collectives go through ``SimComm``, all of them job-wide; each records the bytes every
+rank sends and receives (pickled, as ``Comm.exchange`` and ``all_gather_object`` move
+them), grouped into DCP's steps. Per-rank CPU is ``time.process_time`` of each rank's
+share of the work (pickling what it sends, unpickling what it receives, planning),
+for every simulated rank of a save or load (``SharedReads.build`` only on
+``--samples`` ranks) and, for the grad cells, where every rank computes the same
+whole-job refinement, on ``--samples`` ranks. Nothing here writes or reads storage.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from elastor_mcore.checkpoint import plan as write_plan  # noqa: E402
 from elastor_mcore.checkpoint import reader  # noqa: E402
 from elastor_mcore.checkpoint.format import Manifest  # noqa: E402
 from elastor_mcore.checkpoint.plan import (  # noqa: E402
-    LocalShard, WritePlan, assignments, held_bytes, merge, route)
+    LocalShard, WritePlan, assignments, file_units, held_bytes, merge, route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
 from elastor_mcore.geometry import common_refinement  # noqa: E402
@@ -281,12 +284,12 @@ def save_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
     entries: dict[str, Any] = {}
     for owner, inbox in outbox.items():
         received = receive(clock, owner, inbox)
-        mine, owned[owner] = clock.run(owner, lambda: write_plan.plan_tensors(
+        mine, cells = clock.run(owner, lambda: write_plan.plan_tensors(
             {r: m for r, (_, m) in received.items()}, policy))
         entries.update(mine)
         parts = clock.run(owner, lambda: {r: pickle.dumps(a) for r, a in assignments(
-            mine, owned[owner], coordinator, {r: t for r, (t, _) in received.items()}
-        ).items()})
+            mine, cells, coordinator, {r: t for r, (t, _) in received.items()}).items()})
+        owned[owner] = clock.run(owner, lambda: file_units(mine, cells))
         for rank, blob in parts.items():
             replies.setdefault(rank, {})[owner] = blob
     del outbox

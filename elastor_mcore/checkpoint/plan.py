@@ -12,6 +12,7 @@ follow the tensors it holds and owns, not the size of the job.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import heapq
 import itertools
@@ -24,7 +25,7 @@ import torch
 
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, ChunkPolicy, TensorEntry, choose_entry, validate_key)
-from elastor_mcore.geometry import Box, ShardInfo, boundaries, common_refinement
+from elastor_mcore.geometry import Box, Cell, ShardInfo, boundaries, common_refinement
 
 
 @dataclass
@@ -155,9 +156,10 @@ def route(infos: Iterable[ShardInfo], ranks: Sequence[int]) -> dict[int, list[Sh
 
 
 def plan_tensors(infos_by_rank: dict[int, Sequence[ShardInfo]],
-                 policy: ChunkPolicy) -> tuple[dict[str, TensorEntry], list[WriteUnit]]:
-    """Index entries and units (without writers) of the tensors in ``infos_by_rank``
-    (each rank's shards of them): an owner's global plan of its tensors."""
+                 policy: ChunkPolicy) -> tuple[dict[str, TensorEntry], list[Cell]]:
+    """Index entries and cells of the tensors in ``infos_by_rank`` (each rank's shards
+    of them): an owner's global plan of its tensors. Each cell is cut into files by
+    its entry's file grid (``file_units``)."""
     dtypes: dict[str, str] = {}
     boxes: dict[str, list[Box]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -176,25 +178,28 @@ def plan_tensors(infos_by_rank: dict[int, Sequence[ShardInfo]],
     entries = {key: choose_entry(shapes[key], dtypes[key], boundaries(shapes[key], boxes[key]),
                                  policy) for key in sorted(shapes)}
     covered = dict.fromkeys(entries, 0)
-    units = []
     for cell in cells:
-        entry = entries[cell.key]
         covered[cell.key] += cell.box.numel
-        itemsize = DTYPE_ITEMSIZE[entry.dtype]
-        units.extend(WriteUnit(cell.key, box, cell.holders, box.numel * itemsize)
-                     for box in _grid(cell.box, entry.shard))
     missing = [k for k, n in covered.items() if n != math.prod(entries[k].shape)]
     if missing:
         raise CheckpointError(
             f"no rank holds part of tensor(s) {missing[:5]}: the saving ranks' shards must "
             f"cover every global tensor")
-    return entries, units
+    return entries, cells
+
+
+def file_units(entries: dict[str, TensorEntry], cells: Iterable[Cell]) -> list[WriteUnit]:
+    """The cells cut into files (without writers)."""
+    return [WriteUnit(cell.key, box, cell.holders,
+                      box.numel * DTYPE_ITEMSIZE[entries[cell.key].dtype])
+            for cell in cells for box in _grid(cell.box, entries[cell.key].shard)]
 
 
 @dataclass(frozen=True)
 class Held:
-    """A unit as one of its holders learns it from the tensor's owner: which holder
-    set it belongs to (``group``, a hash of the ranks, and their number), where this
+    """A cell, or one of its files, as one of its holders learns it from the tensor's
+    owner (one per cell: the holder cuts it into files itself, ``files_of``): which
+    holder set it belongs to (``group``, a hash of the ranks, and their number), where this
     holder stands in it, and how many bytes each member holds in all (``weights``:
     runs of ``(bytes, members)`` in position order), but not the ranks themselves (a
     set may span the job)."""
@@ -243,26 +248,32 @@ def writer_positions(units: Sequence[Held]) -> list[int]:
     return out
 
 
-def held_units(units: Iterable[WriteUnit],
-               held_bytes: dict[int, int]) -> dict[int, list[Held]]:
-    """Each holder's view of ``units``; ``held_bytes``: what each rank holds in all."""
+def held_cells(cells: Iterable[Cell], held_bytes: dict[int, int]) -> dict[int, list[Held]]:
+    """Each holder's view of ``cells``; ``held_bytes``: what each rank holds in all."""
     out: dict[int, list[Held]] = {}
     weights: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
-    for unit in units:
-        group = holder_group(unit.holders)
-        if unit.holders not in weights:  # one object per set: pickled once per message
+    for cell in cells:
+        group = holder_group(cell.holders)
+        if cell.holders not in weights:  # one object per set: pickled once per message
             runs: list[list[int]] = []
-            for rank in unit.holders:
+            for rank in cell.holders:
                 if runs and runs[-1][0] == held_bytes[rank]:
                     runs[-1][1] += 1
                 else:
                     runs.append([held_bytes[rank], 1])
-            weights[unit.holders] = tuple((w, n) for w, n in runs)
-        for position, rank in enumerate(unit.holders):
-            out.setdefault(rank, []).append(Held(unit.key, unit.box, unit.nbytes, group,
-                                                 len(unit.holders), position,
-                                                 weights[unit.holders]))
+            weights[cell.holders] = tuple((w, n) for w, n in runs)
+        for position, rank in enumerate(cell.holders):
+            out.setdefault(rank, []).append(Held(cell.key, cell.box, 0, group,
+                                                 len(cell.holders), position,
+                                                 weights[cell.holders]))
     return out
+
+
+def files_of(cells: Iterable[Held], entries: dict[str, TensorEntry]) -> list[Held]:
+    """Held cells cut into their files, by their entries' file grids."""
+    return [dataclasses.replace(cell, box=box,
+                                nbytes=box.numel * DTYPE_ITEMSIZE[entries[cell.key].dtype])
+            for cell in cells for box in _grid(cell.box, entries[cell.key].shard)]
 
 
 def held_bytes(infos: Iterable[ShardInfo]) -> int:
@@ -275,15 +286,16 @@ def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]],
     """The whole plan of the tensors in ``infos_by_rank``, in one process: what the
     ranks of a save compute between them (``plan_tensors`` by the owners,
     ``writer_positions`` by the holders)."""
-    entries, units = plan_tensors(infos_by_rank, policy)
+    entries, cells = plan_tensors(infos_by_rank, policy)
     writers: dict[tuple[str, tuple[int, ...]], int] = {}
     totals = {rank: held_bytes(infos) for rank, infos in infos_by_rank.items()}
-    for rank, held in held_units(units, totals).items():
+    for rank, mine in held_cells(cells, totals).items():
+        held = files_of(mine, entries)
         for unit, position in zip(held, writer_positions(held)):
             if position == unit.position:
                 writers[unit.key, unit.box.offset] = rank
     units = [WriteUnit(u.key, u.box, u.holders, u.nbytes, writers[u.key, u.box.offset])
-             for u in units]
+             for u in file_units(entries, cells)]
     plan = WritePlan(entries, units)
     plan.creates = tuple(sorted(metadata_creators(plan)))
     return plan
@@ -297,20 +309,20 @@ def metadata_creators(plan: WritePlan) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Assignment:
-    """What an owner tells one rank: the units it holds of the owner's tensors, and
+    """What an owner tells one rank: the cells it holds of the owner's tensors, and
     their entries (the coordinator gets every entry)."""
 
     entries: dict[str, TensorEntry]
     held: tuple[Held, ...] = ()
 
 
-def assignments(entries: dict[str, TensorEntry], units: Sequence[WriteUnit],
+def assignments(entries: dict[str, TensorEntry], cells: Sequence[Cell],
                 coordinator: int, totals: dict[int, int]) -> dict[int, Assignment]:
     """An owner's plan (``plan_tensors``) cut into each holder's part; ``totals``:
     what each holder holds in all (it sent ``held_bytes`` with its shards)."""
-    out = {rank: Assignment({k: entries[k] for k in sorted({u.key for u in held})},
+    out = {rank: Assignment({k: entries[k] for k in sorted({c.key for c in held})},
                             tuple(held))
-           for rank, held in sorted(held_units(units, totals).items())}
+           for rank, held in sorted(held_cells(cells, totals).items())}
     if entries:
         out[coordinator] = Assignment(dict(entries), out.get(coordinator,
                                                              Assignment({})).held)
@@ -323,10 +335,11 @@ def merge(rank: int, parts: Iterable[Assignment],
     (``writer_positions``), the arrays whose first file it writes (it creates their
     metadata), and, as an owner, its tensors' units."""
     entries: dict[str, TensorEntry] = {}
-    held: list[Held] = []
+    cells: list[Held] = []
     for part in parts:
         entries.update(part.entries)
-        held.extend(part.held)
+        cells.extend(part.held)
+    held = files_of(cells, entries)
     units = sorted((WriteUnit(h.key, h.box, (), h.nbytes, rank)
                     for h, position in zip(held, writer_positions(held))
                     if position == h.position), key=lambda u: (u.key, u.box.offset))

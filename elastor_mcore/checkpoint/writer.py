@@ -37,7 +37,8 @@ from elastor_mcore.checkpoint.format import (
     committed_steps, parse_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.plan import (
-    LocalShard, WritePlan, WriteUnit, assignments, held_bytes, merge, plan_tensors, route)
+    LocalShard, WritePlan, WriteUnit, assignments, file_units, held_bytes, merge, plan_tensors,
+    route)
 from elastor_mcore.checkpoint.storage import MANIFEST, TMP_PREFIX, Location, as_path, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import ShardInfo, local_view
@@ -132,20 +133,20 @@ def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy,
               error: BaseException | None = None) -> WritePlan:
     """The plan step of a save (DCP's: gather local plans, scatter the global one):
     each rank sends its shard descriptions to the owners of its tensors, each owner
-    plans its tensors (``plan.plan_tensors``) and sends every holder its units, and
-    the holders choose their writers (``plan.merge``). Two sparse exchanges;
+    plans its tensors (``plan.plan_tensors``) and sends every holder its cells, and
+    the holders cut them into files and choose their writers (``plan.merge``). Two sparse exchanges;
     ``error`` (this rank's, before planning) fails the save on every rank."""
     total = held_bytes(infos)
     received = ranks.exchange({owner: (total, mine) for owner, mine in
                                route(infos, ranks.ranks).items()}, what, error)
-    entries, units, error = {}, [], None
+    entries, cells, error = {}, [], None
     try:
-        entries, units = plan_tensors({r: m for r, (_, m) in received.items()}, policy)
+        entries, cells = plan_tensors({r: m for r, (_, m) in received.items()}, policy)
     except CheckpointError as exc:
         error = exc
-    parts = ranks.exchange(assignments(entries, units, ranks.coordinator,
+    parts = ranks.exchange(assignments(entries, cells, ranks.coordinator,
                                        {r: t for r, (t, _) in received.items()}), what, error)
-    return merge(ranks.rank, parts.values(), units)
+    return merge(ranks.rank, parts.values(), file_units(entries, cells))
 
 
 def discard_quietly(tmp: Location) -> None:
