@@ -325,13 +325,13 @@ def load_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
     sim, clock = SimComm(ranks), RankClock()
     step_dir = "/checkpoints/step_00000000"
 
-    def requests(rank: int, infos: list) -> dict[int, LoadRequest]:
-        out = {owner: LoadRequest(tuple(mine), page_cache(rank))
-               for owner, mine in route(infos, ranks).items()}
+    def requests(rank: int, infos: list) -> dict[int, LoadRequest | str]:
+        out: dict[int, LoadRequest | str] = {
+            owner: LoadRequest(tuple(mine), page_cache(rank))
+            for owner, mine in route(infos, ranks).items()}
         if rank == coordinator:
-            for r in ranks:
-                out[r] = LoadRequest(out.get(r, LoadRequest((), "")).infos,
-                                     page_cache(rank), step_dir)
+            out = {r: dataclasses.replace(out[r], step_dir=step_dir) if r in out else step_dir
+                   for r in ranks}
         return out
 
     outbox = exchange_to_owners(recipe, layout, clock, requests)
@@ -339,8 +339,8 @@ def load_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
     replies: dict[int, dict[int, bytes]] = {}
     for owner, inbox in outbox.items():
         received = receive(clock, owner, inbox)
-        pieces = clock.run(owner, lambda: {r: pickle.dumps(p) for r, p in
-                                           reader.plan_reads(received).items()})
+        pieces = clock.run(owner, lambda: {r: pickle.dumps(p) for r, p in reader.plan_reads(
+            {r: q for r, q in received.items() if isinstance(q, LoadRequest)}).items()})
         for rank, blob in pieces.items():
             replies.setdefault(rank, {})[owner] = blob
     del outbox

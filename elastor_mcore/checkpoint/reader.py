@@ -10,6 +10,7 @@ TensorStore, whose range GETs fetch the same inner chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -122,8 +123,8 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group)
 @dataclass(frozen=True)
 class LoadRequest:
     """What a rank sends the owner of some of its tensors: its targets' boxes of them
-    and its page cache; the coordinator's requests (one to every rank) carry the step
-    directory all ranks load."""
+    and its page cache. The coordinator sends every rank the step directory all ranks
+    load: in its request where it has one for that rank, else alone (a string)."""
 
     infos: tuple[ShardInfo, ...]
     cache: str
@@ -171,16 +172,17 @@ def plan_load(ranks: comm.Comm, targets: Sequence[LocalShard], cache: str,
     their tensors and each holder's pieces back (two sparse exchanges). Without
     ``shares`` each rank plans its own targets alone."""
     infos = [t.info() for t in targets]
-    outgoing: dict[int, LoadRequest] = {}
+    outgoing: dict[int, LoadRequest | str] = {}
     if shares:
         outgoing = {owner: LoadRequest(tuple(mine), cache)
                     for owner, mine in route(infos, ranks.ranks).items()}
-    if ranks.is_coordinator:
-        for rank in ranks.ranks:
-            request = outgoing.get(rank, LoadRequest((), cache))
-            outgoing[rank] = LoadRequest(request.infos, cache, step_dir)
+    if ranks.is_coordinator:  # the bare path where there is nothing else to send
+        outgoing = {rank: dataclasses.replace(outgoing[rank], step_dir=step_dir)
+                    if rank in outgoing else step_dir for rank in ranks.ranks}
     received = ranks.exchange(outgoing, what, error)
-    step_dir = received[ranks.coordinator].step_dir
+    picked = received[ranks.coordinator]
+    step_dir = picked if isinstance(picked, str) else picked.step_dir
+    received = {r: q for r, q in received.items() if isinstance(q, LoadRequest)}
     if not shares:
         return step_dir, SharedReads.build(
             ranks.rank, targets, plan_reads({ranks.rank: LoadRequest(tuple(infos), cache)})
