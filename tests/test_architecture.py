@@ -280,13 +280,39 @@ def test_one_writer_of_parallel_state():
                      + "\n".join(sorted(bad)))
 
 
-def test_elastic_never_imports_torch_distributed():
+RANK_SIDE = f"{PACKAGE}.elastic.rank"
+"""The part of ``elastic/`` that runs inside torchrun's rank processes."""
+PROTOCOL = f"{PACKAGE}.elastic.protocol"
+"""The supervisor-rank file protocol: a leaf both sides import."""
+
+
+def supervisor_side(module: str) -> bool:
+    return layer_of(module) == "elastic" and not (module == RANK_SIDE
+                                                   or module.startswith(RANK_SIDE + "."))
+
+
+def test_the_supervisor_side_never_imports_torch_distributed():
     bad = []
     for module, found in ALL_IMPORTS.items():
-        if layer_of(module) != "elastic":
+        if not supervisor_side(module):
             continue
         for imp in found:
             if (imp.module == "torch.distributed" or imp.module.startswith("torch.distributed.")
                     or (imp.module == "torch" and "distributed" in imp.names)):
                 bad.append(imp.where())
-    assert not bad, "elastic/ imports torch.distributed:\n" + "\n".join(bad)
+    assert not bad, "elastic/ (outside elastic/rank/) imports torch.distributed:\n" + \
+        "\n".join(bad)
+
+
+def test_the_supervisor_side_never_imports_the_rank_side():
+    """It starts the rank side's modules by name (torchrun ``-m``), so that the
+    supervisor process never loads what ranks load."""
+    bad = [f"{imp.where()}" for module, found in ALL_IMPORTS.items() if supervisor_side(module)
+           for imp in found for target in targets(imp)
+           if target == RANK_SIDE or target.startswith(RANK_SIDE + ".")]
+    assert not bad, "the supervisor side imports elastic/rank/:\n" + "\n".join(bad)
+
+
+def test_the_file_protocol_is_a_leaf():
+    ours = [imp.where() for imp in ALL_IMPORTS[PROTOCOL] if targets(imp)]
+    assert not ours, f"{PROTOCOL} must import nothing of ours:\n" + "\n".join(ours)

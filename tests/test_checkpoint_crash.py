@@ -38,7 +38,7 @@ def worker_ranks(proc: subprocess.Popen) -> dict[int, psutil.Process]:
     found = {}
     for child in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if "elastor_mcore.runtime.worker" in " ".join(child.cmdline()):
+            if "elastor_mcore.elastic.rank.worker" in " ".join(child.cmdline()):
                 found[int(child.environ()["RANK"])] = child
         except (psutil.Error, KeyError):
             continue

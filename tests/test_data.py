@@ -27,8 +27,9 @@ from tokenizers import Tokenizer
 from elastor_mcore.cli import main as cli_main
 from elastor_mcore.data.samples import pipeline_micro_batches, pipeline_sample_indices
 from elastor_mcore.data import doc_index
-from elastor_mcore.data.config import (DataConfig, add_data_args, data_config_from_args,
-                                           validate_data_config)
+from elastor_mcore.config.data import (DataConfig, DataFlagError, add_data_args,
+                                       data_config_from_args)
+from elastor_mcore.data.config import validate_data_config
 from elastor_mcore.data.corpus import iter_texts, read_text, resolve_corpus
 from elastor_mcore.data.doc_index import JsonlDocuments, load_index
 from elastor_mcore.data.errors import DataError
@@ -363,21 +364,34 @@ def test_changed_corpus_or_tokenizer_rebuilds_the_index(tmp_path, corpus):
 
 def test_flags_build_the_config():
     parser = argparse.ArgumentParser()
-    add_data_args(parser)
+    add_data_args(parser, "train")
     args = parser.parse_args(["--data", "a.jsonl", "dir", "--tokenizer", "tok",
                               "--skip-malformed", "--data-workers", "2", "--shuffle-data"])
-    cfg = data_config_from_args(args)
+    cfg = data_config_from_args(args, "train")
     assert cfg == DataConfig(kind="jsonl", paths=("a.jsonl", "dir"), tokenizer="tok",
                              malformed="skip", workers=2, shuffle=True)
     args = parser.parse_args(["--data-path", "pre", "--tokenizer", "tok"])
-    assert data_config_from_args(args).kind == "indexed"
-    assert data_config_from_args(parser.parse_args(["--synthetic-data"])).kind == "synthetic"
+    assert data_config_from_args(args, "train") == DataConfig(kind="indexed", paths=("pre",),
+                                                              tokenizer="tok")
+    args = parser.parse_args(["--synthetic-data"])
+    assert data_config_from_args(args, "train") == DataConfig(kind="synthetic")
     default = DataConfig(kind="jsonl", paths=("demo",), tokenizer="tok")
-    assert data_config_from_args(parser.parse_args([]), default) is default
-    with pytest.raises(DataError, match="--synthetic-data"):
-        data_config_from_args(parser.parse_args([]))
+    assert data_config_from_args(parser.parse_args([]), "train", default) is default
+    with pytest.raises(DataFlagError, match="--synthetic-data"):
+        data_config_from_args(parser.parse_args([]), "train")
     with pytest.raises(SystemExit):
         parser.parse_args(["--data", "a", "--data-path", "b"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--skip-malformed", "--fail-on-malformed"])
+
+
+def test_the_flags_defaults_are_the_configs():
+    """A flag left out gives the field's default: the default is written once."""
+    parser = argparse.ArgumentParser()
+    add_data_args(parser, "launch")
+    args = parser.parse_args(["--data", "corpus", "--tokenizer", "tok"])
+    assert data_config_from_args(args, "launch") == DataConfig(
+        kind="jsonl", paths=("corpus",), tokenizer="tok")
 
 
 def test_synthetic_source_is_the_runtime_default():

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from elastor_mcore.elastic import node_timeline
-from elastor_mcore.elastic.heartbeat import read_beats
+from elastor_mcore.elastic.protocol import read_beats
 from elastor_mcore.elastic.report import read_metrics
 from tests.conftest import REPO, TINY
 from tests.single_process_reference import reference_losses
@@ -126,9 +126,9 @@ def kill_agent(launcher: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def reference(single_process_reference) -> dict[int, float]:
     """Each step's loss uninterrupted on one process (shared with test_elastic)."""
-    return reference_losses(tmp_path_factory, STEPS)
+    return reference_losses(single_process_reference, STEPS)
 
 
 def worker_pid(job: Job, node: str, launch: int, slot: int) -> int:

@@ -8,12 +8,12 @@ import pytest
 from elastor_mcore import cli
 from elastor_mcore.config.failure_plan import (Failure, FailurePlanError, parse_failure_plan,
                                             validate)
-from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
-from elastor_mcore.runtime.device_probe import probe_cuda
+from elastor_mcore.elastic.heartbeat import HangPolicy
+from elastor_mcore.elastic.probe import probe_cuda
+from elastor_mcore.elastic.protocol import EVENTS_FILE, HeartbeatWriter, append_event, read_beats
 from elastor_mcore.elastic.supervisor import torchrun_layout
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from elastor_mcore.parallel.layout import layout_from_dict
-from elastor_mcore.runtime.rank_hooks import EVENTS_FILE, HeartbeatWriter, append_event
 from tests.conftest import REPO, TINY
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,7 +115,7 @@ def test_round_plan_numbers_devices_by_node_and_maps_back_to_round_ranks():
     2, and the layout it returns names round ranks 0 and 2."""
     from elastor_mcore.config.recipe import load_recipe
     from elastor_mcore.planner import load_hardware
-    from elastor_mcore.runtime.rendezvous_round import Member, plan_round, planner_slots
+    from elastor_mcore.elastic.rank.rendezvous_round import Member, plan_round, planner_slots
     members = [Member(0, "b", 0, 0, True, 0.0, 0.0), Member(1, "b", 0, 1, False, 0.0, 0.0),
                Member(2, "a", 1, 0, True, 0.0, 0.0)]
     assert planner_slots(members) == ({0: 0, 2: 2}, 2)

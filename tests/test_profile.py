@@ -309,7 +309,7 @@ def test_links_across_nodes_under_a_two_agent_launch(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(node), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "h21-links",
-         "-m", "elastor_mcore.runtime.profile", "--recipe", str(TINY), "--tp-sizes", "1",
+         "-m", "elastor_mcore.elastic.rank.measure", "--recipe", str(TINY), "--tp-sizes", "1",
          "--repeats", "3", "--links-only", "--out", str(raw_path), "--hardware",
          str(CPU_SLOTS), "--profile-out", str(profile_path), "--max-spread", "100"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

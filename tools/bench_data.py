@@ -38,7 +38,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from elastor_mcore.data.config import DataConfig  # noqa: E402
+from elastor_mcore.config.data import DataConfig  # noqa: E402
 from elastor_mcore.data.corpus import iter_texts, resolve_corpus  # noqa: E402
 from elastor_mcore.data.doc_index import CACHE_DIR_NAME, load_index  # noqa: E402
 from elastor_mcore.data.packing import PackingPlan  # noqa: E402
@@ -98,7 +98,7 @@ def _process_kind(process: psutil.Process) -> str:
     cmdline = " ".join(process.cmdline())
     if "elastor_mcore.data.workers" in cmdline:
         return "worker"
-    return "rank" if "elastor_mcore.runtime.worker" in cmdline else "launcher"
+    return "rank" if "elastor_mcore.elastic.rank.worker" in cmdline else "launcher"
 
 
 def _train_once(recipe_path: Path, cfg: DataConfig, steps: int, out: Path) -> dict:

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from elastor_mcore.config.recipe import load_recipe  # noqa: E402
 from elastor_mcore.parallel.layout import Layout, layout_from_dict, load_layout  # noqa: E402
 from elastor_mcore.planner import layout_cost, load_hardware, plan, predicted_step_s  # noqa: E402
-from elastor_mcore.planner.calibration import DEFAULT_MAX_SPREAD, DEFAULT_REPEATS  # noqa: E402
+from elastor_mcore.config.profile import DEFAULT_MAX_SPREAD, DEFAULT_REPEATS  # noqa: E402
 from elastor_mcore.planner.cost_model import CostModel, pipelines_fill_s  # noqa: E402
 
 TINY = ROOT / "recipes" / "tiny-llama.yaml"
@@ -147,6 +147,7 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def measure_profile(recipe, repeats: int, max_spread: float, out: Path) -> Path:
     """``elastor profile`` of the tiny recipe at TP 1 and 2, beside ``out``."""
+    from elastor_mcore.config.profile import MeasureSettings
     from elastor_mcore.elastic.profiling import measure
     from elastor_mcore.planner import write_hardware
 
@@ -154,8 +155,9 @@ def measure_profile(recipe, repeats: int, max_spread: float, out: Path) -> Path:
     path = out.with_suffix(".profile.yaml")
     print(f"check_planner: measuring the profile (elastor profile, TP 1,2, {repeats} "
           f"repeats, load average {os.getloadavg()[0]:.1f}) ...", flush=True)
-    profile = measure(str(TINY), recipe, load_hardware(base), [1, 2], "cpu", repeats,
-                      on_line=lambda line: None, max_spread=max_spread)
+    settings = MeasureSettings(recipe=str(TINY), tp_sizes=(1, 2), repeats=repeats,
+                               max_spread=max_spread)
+    profile = measure(settings, recipe, load_hardware(base), "cpu", on_line=lambda line: None)
     write_hardware(profile, path, f"Measured by tools/check_planner.py --measure (elastor "
                                   f"profile --tp-sizes 1,2 --repeats {repeats} --max-spread "
                                   f"{max_spread} on {base}).")

@@ -18,7 +18,7 @@ import os
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 from elastor_mcore.checkpoint import comm, writer
 from elastor_mcore.checkpoint.background import BackgroundSave, WriteJob, discard
@@ -30,24 +30,16 @@ from elastor_mcore.checkpoint.staging import HostStaging
 from elastor_mcore.checkpoint.storage import as_path, retrying, storage_for
 from elastor_mcore.checkpoint.writer import (
     check_step, open_tmp, plan_save, point_latest, unit_sources, validate, wait_for_pruning)
+from elastor_mcore.config.run import SaveOptions
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SavePolicy:
-    """How a run saves. Defaults: asynchronous, wait for a busy save, stop on error."""
+class SavePolicy(SaveOptions):
+    """How a run saves: the run settings' ``SaveOptions`` (asynchronous, wait for a busy
+    save, stop on error, keep 2 by default) and the commit timeouts."""
 
-    asynchronous: bool = True
-    """Block only for the copy into host buffers; write and commit in the background."""
-    when_busy: Literal["wait", "skip"] = "wait"
-    """A save due while the previous one is still being written: ``wait`` for it to
-    commit, or ``skip`` the new one (logged). Either way at most one is in flight."""
-    on_error: Literal["stop", "continue"] = "stop"
-    """A failed save (full disk, I/O error): raise ``CheckpointError`` on every rank,
-    or log it and keep training. The previous committed step stays loadable."""
-    keep: int = 2
-    """Committed steps to keep."""
     commit_timeout_floor_s: float = 300.0
     commit_timeout_factor: float = 20.0
     """How long the coordinator waits for the other writers' data once its own share

@@ -23,11 +23,13 @@ from elastor_mcore.cli.launch import StepPrinter, print_summary
 from elastor_mcore.cli.plan import diagram
 from elastor_mcore.cli.stopping import report_stop, stopped_by
 from elastor_mcore.config.failure_plan import Failure, FailurePlanError
+from elastor_mcore.config.data import DataConfig
+from elastor_mcore.config.launch import LaunchSettings
 from elastor_mcore.config.recipe import RecipeError, load_recipe
-from elastor_mcore.config.run import DataConfig, RunSettings
+from elastor_mcore.config.run import RunSettings
 from elastor_mcore.config.shipped import shipped_path
 from elastor_mcore.data.errors import DataError
-from elastor_mcore.elastic.heartbeat import HangPolicy
+from elastor_mcore.elastic.job import TRAINER
 from elastor_mcore.elastic.report import memory_of, read_metrics, write_report
 from elastor_mcore.elastic.supervisor import Supervisor, SupervisorConfig
 from elastor_mcore.elastic.timeline import recoveries
@@ -69,13 +71,13 @@ def register(subparsers) -> None:
                         help="plan with --hardware as it is instead of measuring a profile "
                              "for the recipe on this machine (once per --out, cached in "
                              "--out/hardware-profile.yaml)")
-    parser.add_argument("--slots", type=int, default=8)
+    LaunchSettings.add_arguments(parser, "demo", {
+        "slots": {"default": 8, "help": "CPU slots 0..N-1 (default %(default)s)"},
+        "heartbeat_timeout": {"default": 20.0}})
     parser.add_argument("--kill", default="12:3", metavar="STEP:SLOT",
                         help="the slot killed and the step it dies at (default 12:3)")
     parser.add_argument("--hang", default="27:6", metavar="STEP:SLOT",
                         help="the slot that hangs and the step it hangs at (default 27:6)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=20.0, metavar="S")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S")
     parser.add_argument("--synthetic-data", action="store_true",
                         help="train on seeded random tokens instead of the demo corpus "
                              "(Python sources of this machine, made once under --out/data)")
@@ -130,8 +132,8 @@ def run_reference(settings: RunSettings, out: Path) -> float:
     start = time.perf_counter()
     reference = replace(settings, layout=REFERENCE_LAYOUT,
                         metrics_out=str(out / "metrics.jsonl"), failure_plan=None)
-    result = run_torchrun(2, "elastor_mcore.runtime.worker", reference.to_argv(),
-                          capture=True)
+    rank = TRAINER.launch_command(reference)
+    result = run_torchrun(2, rank.module, rank.args, capture=True)
     (out / "torchrun.log").write_text(result.stdout + result.stderr)
     signum = stopped_by(result.returncode)
     if signum:
@@ -146,7 +148,7 @@ def layout_diagrams(config: SupervisorConfig, hardware, launches) -> list[str]:
     """``elastor plan``'s diagram of each launch's layout (the planner is deterministic,
     so planning the launch's alive slots again with the supervisor's profile gives its
     layout)."""
-    recipe, use_all = config.recipe, config.use_all_slots
+    recipe, use_all = config.recipe, config.launch.use_all_slots
     full = plan(recipe, hardware, config.slots, use_all=use_all)
     tokens = recipe.training.global_batch_size * recipe.model.seq_length
     out = []
@@ -183,14 +185,13 @@ def run(args: argparse.Namespace) -> int:
         failures = (parse_failure(args.kill, "kill"), parse_failure(args.hang, "hang"))
         settings = replace(RunSettings.from_args(args, "demo"),
                            failure_plan=str(out / "failure-plan.yaml"), report_memory=True)
-        config = SupervisorConfig(
-            settings=settings, recipe=recipe, hardware=hardware,
-            slots=tuple(range(args.slots)), run_dir=out, failures=failures,
-            max_restarts=len(failures),
-            hang=HangPolicy(startup_timeout_s=args.startup_timeout,
-                            timeout_s=args.heartbeat_timeout), devices="cpu",
-            hardware_path=Path(args.hardware), measure_profile=not args.no_profile,
+        launch = LaunchSettings.from_args(
+            args, "demo", hardware=args.hardware, run_dir=str(out),
+            max_restarts=len(failures), devices="cpu", measure_profile=not args.no_profile,
             use_all_slots=True)
+        config = SupervisorConfig(settings=settings, launch=launch, recipe=recipe,
+                                  failures=failures, hardware=hardware,
+                                  slots=tuple(range(launch.slots)))
     except (RecipeError, HardwareError, FailurePlanError, ValueError) as exc:
         print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 2

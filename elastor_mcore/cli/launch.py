@@ -4,27 +4,25 @@ on the surviving slots (see ``docs/elastic.md``)."""
 from __future__ import annotations
 
 import argparse
-import re
 import socket
 import sys
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from elastor_mcore.checkpoint.format import CheckpointError, latest_step
 from elastor_mcore.cli.stopping import report_stop
 from elastor_mcore.cli.train import check_resume_source
+from elastor_mcore.config.data import DataConfig, add_data_args, data_config_from_args
 from elastor_mcore.config.failure_plan import FailurePlanError, load_failure_plan
+from elastor_mcore.config.launch import LaunchSettings, NodeSettings
 from elastor_mcore.config.recipe import RecipeError, load_recipe
-from elastor_mcore.config.run import DataConfig, RunSettings
-from elastor_mcore.data.config import add_data_args, data_config_from_args, validate_data_config
+from elastor_mcore.config.run import RunSettings
+from elastor_mcore.data.config import validate_data_config
 from elastor_mcore.data.errors import DataError
 from elastor_mcore.elastic import node_timeline
-from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.node import NodeConfig, NodeLauncher
 from elastor_mcore.elastic.supervisor import Outcome, Supervisor, SupervisorConfig
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
-from elastor_mcore.elastic.torchrun import Rendezvous
 from elastor_mcore.planner import HardwareError, load_hardware
 
 
@@ -39,62 +37,14 @@ def register(subparsers) -> None:
         "steps": {"help": "optimizer steps in all"},
         "save_interval": {"required": True,
                           "help": "save every K steps (a failure redoes at most K steps)"}})
-    parser.add_argument("--hardware", required=True,
-                        help="hardware profile YAML for the planner, e.g. "
-                             "recipes/hardware/cpu-slots.yaml")
-    parser.add_argument("--measure-profile", action="store_true",
-                        help="unless --hardware or DIR/hardware-profile.yaml was measured "
-                             "on this machine for the recipe (elastor profile), measure one "
-                             "first and cache it there; either measured profile replaces "
-                             "--hardware for planning")
-    parser.add_argument("--slots", type=int, default=None, metavar="N",
-                        help="slots 0..N-1 (node-major, the profile's gpus_per_node per "
-                             "node; default: one node on CPU, every visible GPU on CUDA)")
-    parser.add_argument("--run-dir", required=True, metavar="DIR",
-                        help="checkpoints, per-launch logs and timeline.json go here")
-    parser.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                        help="checkpoint root instead of DIR/checkpoints: a directory or "
-                             "s3://BUCKET/PREFIX (endpoint and credentials from the AWS "
-                             "environment); every launch saves there and a relaunch "
-                             "resumes from its latest committed step")
-    parser.add_argument("--max-restarts", type=int, default=3, metavar="N",
-                        help="give up after N recoveries (default 3); with several nodes, "
-                             "torch's --max-restarts of each node's agent (a node joining "
-                             "does not count)")
-    parser.add_argument("--heartbeat-timeout", type=float, default=60.0, metavar="S",
-                        help="a rank silent for S seconds after its first step is hung "
-                             "(default 60)")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="S",
-                        help="silence allowed before a rank's first step of a launch: "
-                             "imports, model build, checkpoint load (default 300)")
-    parser.add_argument("--devices", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="cuda probes each GPU after a failure (default: cuda if "
-                             "available)")
-    parser.add_argument("--probe-timeout", type=float, default=60.0, metavar="S")
-    nodes = parser.add_argument_group(
+    LaunchSettings.add_arguments(parser, "launch")
+    NodeSettings.add_arguments(parser.add_argument_group(
         "several nodes", "run this command on every node with the same recipe, profile, "
         "--rdzv-endpoint and --rdzv-id: torch's elastic agent (c10d rendezvous) starts this "
         "node's --slots workers at every round, and each round plans on the healthy "
         "devices of the nodes present (see docs/elastic.md). Without --rdzv-endpoint: one "
-        "host, standalone")
-    nodes.add_argument("--nnodes", default=None, metavar="MIN:MAX",
-                       help="nodes in the job: the rounds start with at least MIN and "
-                            "take up to MAX")
-    nodes.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                       help="the rendezvous store; the node on HOST hosts it (it must "
-                            "stay up for the whole job)")
-    nodes.add_argument("--rdzv-id", default=None, metavar="ID",
-                       help="the job's id, the same on every node")
-    nodes.add_argument("--node-name", default=None, metavar="NAME",
-                       help="this node's name in the job and its files (default: the "
-                            "hostname; must differ between nodes)")
-    nodes.add_argument("--rdzv-conf", default=None, metavar="K=V,...",
-                       help="torchrun's --rdzv-conf, e.g. last_call_timeout=5 (the wait "
-                            "for more nodes once MIN are there; torch's default is 30 s)")
-    nodes.add_argument("--health-file", default=None, metavar="YAML",
-                       help="a list of this node's dead slots, read at every round (an "
-                            "external health check may write it)")
-    add_data_args(parser)
+        "host, standalone"), "launch")
+    add_data_args(parser, "launch")
     parser.set_defaults(func=run)
 
 
@@ -105,31 +55,32 @@ def devices(choice: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def settings_from_args(args: argparse.Namespace) -> tuple[RunSettings, LaunchSettings]:
+    """The run and launcher settings of the flags, ``devices`` resolved."""
+    settings = RunSettings.from_args(
+        args, "launch",
+        data=data_config_from_args(args, "launch", default=DataConfig(kind="synthetic")))
+    launch = LaunchSettings.from_args(args, "launch")
+    return settings, replace(launch, devices=devices(launch.devices))
+
+
 def build_config(args: argparse.Namespace) -> SupervisorConfig:
     """Validate every input (raising with the field and the fix) before anything runs."""
     recipe = load_recipe(args.recipe)
-    hardware = load_hardware(args.hardware)
-    kind = devices(args.devices)
-    count = args.slots
+    settings, launch = settings_from_args(args)
+    hardware = load_hardware(launch.hardware)
+    count = launch.slots
     if count is None:
-        if kind == "cuda":
+        if launch.devices == "cuda":
             import torch
             count = torch.cuda.device_count()
         else:
             count = hardware.gpus_per_node
     if count <= 0:
         raise ValueError(f"--slots must be positive, got {count}")
-    settings = RunSettings.from_args(
-        args, "launch", data=data_config_from_args(args, default=DataConfig(kind="synthetic")))
     failures = load_failure_plan(settings.failure_plan) if settings.failure_plan else ()
-    return SupervisorConfig(
-        settings=settings, recipe=recipe, hardware=hardware, slots=tuple(range(count)),
-        run_dir=Path(args.run_dir), checkpoint_root=args.checkpoint_dir, failures=failures,
-        max_restarts=args.max_restarts,
-        hang=HangPolicy(startup_timeout_s=args.startup_timeout,
-                        timeout_s=args.heartbeat_timeout),
-        devices=kind, probe_timeout_s=args.probe_timeout, hardware_path=Path(args.hardware),
-        measure_profile=args.measure_profile)
+    return SupervisorConfig(settings=settings, launch=launch, recipe=recipe, failures=failures,
+                            hardware=hardware, slots=tuple(range(count)))
 
 
 class StepPrinter:
@@ -157,44 +108,28 @@ def print_summary(outcome: Outcome, prefix: str) -> None:
           f"slots per launch: {layouts}", flush=True)
 
 
-def build_node_config(args: argparse.Namespace, kind: str) -> NodeConfig:
+def build_node_config(args: argparse.Namespace, nodes: NodeSettings) -> NodeConfig:
     """The multi-node form of ``build_config`` (one node of the job)."""
-    missing = [flag for flag, value in (("--nnodes", args.nnodes), ("--rdzv-id", args.rdzv_id))
-               if value is None]
-    if missing:
-        raise ValueError(f"--rdzv-endpoint needs {' and '.join(missing)} too (the same on "
-                         f"every node), e.g. --nnodes 1:4 --rdzv-id myjob")
-    if not re.fullmatch(r"\d+(:\d+)?", args.nnodes):
-        raise ValueError(f"--nnodes must be N or MIN:MAX, got {args.nnodes!r}")
-    if not re.fullmatch(r"[^:]+:\d+", args.rdzv_endpoint):
-        raise ValueError(f"--rdzv-endpoint must be HOST:PORT, got {args.rdzv_endpoint!r}")
     if args.measure_profile:
         raise ValueError("--measure-profile measures on one host: run elastor profile on a "
                          "node first and pass the profile it writes as --hardware")
     recipe = load_recipe(args.recipe)
-    load_hardware(args.hardware)
-    count = args.slots
+    settings, launch = settings_from_args(args)
+    load_hardware(launch.hardware)
+    count = launch.slots
     if count is None:
         import torch
-        count = torch.cuda.device_count() if kind == "cuda" else 1
-    settings = RunSettings.from_args(
-        args, "launch", data=data_config_from_args(args, default=DataConfig(kind="synthetic")))
+        count = torch.cuda.device_count() if launch.devices == "cuda" else 1
     failures = load_failure_plan(settings.failure_plan) if settings.failure_plan else ()
-    return NodeConfig(
-        settings=settings, recipe=recipe, hardware_path=Path(args.hardware),
-        run_dir=Path(args.run_dir), node=args.node_name or socket.gethostname(),
-        slots=count, rdzv=Rendezvous(args.rdzv_endpoint, args.rdzv_id, args.nnodes,
-                                     args.max_restarts, args.rdzv_conf),
-        failures=failures, hang=HangPolicy(startup_timeout_s=args.startup_timeout,
-                                           timeout_s=args.heartbeat_timeout),
-        devices=kind, probe_timeout_s=args.probe_timeout, checkpoint_root=args.checkpoint_dir,
-        health_file=args.health_file)
+    return NodeConfig(settings=settings, launch=launch, recipe=recipe, failures=failures,
+                      nodes=replace(nodes, node_name=nodes.node_name or socket.gethostname()),
+                      slots=count)
 
 
-def run_node(args: argparse.Namespace, prefix: str) -> int:
+def run_node(args: argparse.Namespace, nodes: NodeSettings, prefix: str) -> int:
     """One node of a multi-node job: its elastic agent until the job ends."""
     try:
-        config = build_node_config(args, devices(args.devices))
+        config = build_node_config(args, nodes)
         validate_data_config(config.settings.data, config.recipe)
         from elastor_mcore.data.source import prepare_data
         summary = prepare_data(config.settings.data, config.recipe)
@@ -226,16 +161,14 @@ def run_node(args: argparse.Namespace, prefix: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     prefix = "elastor launch"
-    if args.rdzv_endpoint is not None:
-        return run_node(args, prefix)
-    stray = [flag for flag, value in (("--nnodes", args.nnodes), ("--rdzv-id", args.rdzv_id),
-                                      ("--node-name", args.node_name),
-                                      ("--rdzv-conf", args.rdzv_conf),
-                                      ("--health-file", args.health_file)) if value]
-    if stray:
-        print(f"{prefix}: {', '.join(stray)} need --rdzv-endpoint (a job of several "
-              f"nodes); without it elastor launch runs on this host alone", file=sys.stderr)
+    nodes = NodeSettings.from_args(args, "launch")
+    try:
+        nodes.check()
+    except ValueError as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
         return 2
+    if nodes.several:
+        return run_node(args, nodes, prefix)
     try:
         config = build_config(args)
         data = config.settings.data

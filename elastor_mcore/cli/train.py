@@ -9,10 +9,13 @@ from dataclasses import replace
 from elastor_mcore.checkpoint import CheckpointError
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
 from elastor_mcore.cli.stopping import report_stop, stopped_by
+from elastor_mcore.config.data import (DataConfig, DataFlagError, add_data_args,
+                                       data_config_from_args)
 from elastor_mcore.config.recipe import RecipeError, load_recipe
-from elastor_mcore.config.run import DataConfig, RunSettings
-from elastor_mcore.data.config import add_data_args, data_config_from_args, validate_data_config
+from elastor_mcore.config.run import RunSettings
+from elastor_mcore.data.config import validate_data_config
 from elastor_mcore.data.errors import DataError
+from elastor_mcore.elastic.job import TRAINER
 from elastor_mcore.elastic.torchrun import run_torchrun
 from elastor_mcore.parallel.layout import LayoutError, load_layout
 
@@ -25,7 +28,7 @@ def register(subparsers) -> None:
     RunSettings.add_arguments(parser, "train")
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to start (default: the layout's); extra ranks stay idle")
-    add_data_args(parser)
+    add_data_args(parser, "train")
     parser.set_defaults(func=run)
 
 
@@ -44,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         recipe = load_recipe(args.recipe)
         layout = load_layout(args.layout, recipe)
-        settings = RunSettings.from_args(
-            args, "train", data=data_config_from_args(args, default=DataConfig(kind="synthetic")))
+        settings = RunSettings.from_args(args, "train", data=data_config_from_args(
+            args, "train", default=DataConfig(kind="synthetic")))
         print(f"elastor train: data: {settings.data.describe()}", flush=True)
         validate_data_config(settings.data, recipe)  # fast, before the data pipeline's imports
         from elastor_mcore.data.source import prepare_data
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         settings = replace(settings, data=replace(settings.data, fingerprint=summary.fingerprint))
         if settings.load_dir:
             check_resume_source(settings.load_dir, recipe, settings)
-    except (RecipeError, LayoutError, CheckpointError, DataError) as exc:
+    except (RecipeError, LayoutError, CheckpointError, DataError, DataFlagError) as exc:
         print(f"elastor train: {exc}", file=sys.stderr)
         return 2
     if settings.steps <= 0:
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"elastor train: {recipe.name} on {layout.num_gpus} of {world} ranks: "
           f"{layout.describe()}", flush=True)
     try:
-        result = run_torchrun(world, "elastor_mcore.runtime.worker", settings.to_argv())
+        rank = TRAINER.launch_command(settings)
+        result = run_torchrun(world, rank.module, rank.args)
     finally:
         if lease:
             lease.release()

@@ -12,7 +12,8 @@ One concern per module, lowest first (each imports only modules above it):
 - ``tasks``: what the background workers compute for training.
 - ``indexed``: Megatron ``.bin``/``.idx`` datasets (read and build).
 - ``prefetch``: the training-side source that stays ahead of the loop.
-- ``config``: ``DataConfig`` and its command-line flags.
+- ``config``: fail-fast checks of a ``DataConfig`` (defined, with its flags, in
+  ``config/data.py``).
 - ``source``: ``prepare_data`` and ``build_sample_source``, the runtime's entry points.
 - ``stdlib_corpus``: a demo corpus from the Python sources every machine has.
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from elastor_mcore.config.run import MalformedPolicy
+from elastor_mcore.config.data import MalformedPolicy
 from elastor_mcore.data.errors import DataError
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ import numpy as np
 import torch
 
 from elastor_mcore.data.samples import SampleSource, SyntheticTokens
-from elastor_mcore.data.config import DataConfig, validate_data_config
+from elastor_mcore.config.data import DataConfig
+from elastor_mcore.data.config import validate_data_config
 from elastor_mcore.data.corpus import report_malformed, resolve_corpus
 from elastor_mcore.data.doc_index import default_cache_dir, load_or_build_index
 from elastor_mcore.data.errors import DataError

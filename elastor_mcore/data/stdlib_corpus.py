@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from elastor_mcore.data.config import DataConfig
+from elastor_mcore.config.data import DataConfig
 from elastor_mcore.data.corpus import iter_texts, resolve_corpus
 from elastor_mcore.data.tokenizer import TOKENIZER_FILE, train_tokenizer
 from elastor_mcore.config.recipe import Recipe

@@ -1,42 +1,23 @@
-"""Heartbeats: each rank rewrites ``<dir>/slot<N>`` after setup and after every step;
-the supervisor declares a hang when a rank's file stops advancing.
+"""The hang policy: when a rank whose heartbeat file (``protocol.HeartbeatWriter``)
+stopped advancing counts as hung.
 
-A hung collective leaves every process alive, so exit codes cannot reveal it; a
-file per rank costs one small atomic write per step and needs no extra process or
-connection. Timeouts are generous until a rank has finished its first step of a
-launch (imports, model build and checkpoint load take tens of seconds on a loaded
-machine) and short afterwards.
+Timeouts are generous until a rank has finished its first step of a launch (imports,
+model build and checkpoint load take tens of seconds on a loaded machine) and short
+afterwards; both come from the launcher settings (``config.launch.LaunchSettings``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
-from elastor_mcore.runtime.rank_hooks import Beat
-
-
-def read_beats(directory: str | os.PathLike) -> dict[int, Beat]:
-    """The latest beat of every slot that has beaten, by slot."""
-    beats = {}
-    for path in Path(directory).glob("slot*"):
-        if path.suffix == ".tmp":
-            continue
-        try:
-            beat = Beat(**json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            continue  # replaced while we read it: the next poll sees the new one
-        beats[beat.slot] = beat
-    return beats
+from elastor_mcore.elastic.protocol import Beat
 
 
 @dataclass(frozen=True)
 class HangPolicy:
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float
     """Silence allowed before a rank's first step of a launch (imports, build, load)."""
-    timeout_s: float = 60.0
+    timeout_s: float
     """Silence allowed between two beats once the rank is stepping."""
 
     def silent_slots(self, slots: list[int], beats: dict[int, Beat], launched_at: float,

@@ -5,7 +5,7 @@ Torch's agent (``torch.distributed.run --nnodes MIN:MAX --rdzv-backend c10d``) d
 membership, rendezvous, restarts (``--max-restarts``) and scale-up: when a worker
 fails, when a node is lost (its workers' peers fail) or when a node joins, every
 agent stops its workers and the next round starts fresh ones on the nodes present,
-which agree on a layout for the healthy devices (``runtime.rendezvous_round``) and
+which agree on a layout for the healthy devices (``elastic.rank.rendezvous_round``) and
 resume from the latest committed checkpoint. This launcher adds what torch has not:
 
 - hangs: a worker whose heartbeat stops is SIGKILLed (torch then sees a failure);
@@ -37,25 +37,19 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Sequence
 
 from elastor_mcore.checkpoint.lease import CheckpointLease
-from elastor_mcore.checkpoint.storage import Location
-from elastor_mcore.config.failure_plan import Failure, validate
-from elastor_mcore.config.recipe import Recipe
-from elastor_mcore.config.run import RunSettings
+from elastor_mcore.config.launch import NodeSettings, RoundSettings
 from elastor_mcore.elastic import node_timeline
-from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
-from elastor_mcore.elastic.supervisor import (STOP_GRACE_S, process_running,
-                                              run_checkpoint_dir, stop_job)
-from elastor_mcore.elastic.torchrun import (Rendezvous, elastic_agent_command,
-                                            forwarding_stop_signals, start_torchrun)
-from elastor_mcore.runtime.rank_hooks import (HEARTBEAT_DIR, LAUNCHER_EVENTS, OUTCOME_FILE,
-                                             ROUNDS_DIR, append_event)
+from elastor_mcore.elastic.job import JobConfig
+from elastor_mcore.elastic.protocol import (HEARTBEAT_DIR, LAUNCHER_EVENTS, OUTCOME_FILE,
+                                            ROUNDS_DIR, append_event, read_beats)
+from elastor_mcore.elastic.supervisor import STOP_GRACE_S, process_running, stop_job
+from elastor_mcore.elastic.torchrun import (elastic_agent_command, forwarding_stop_signals,
+                                            start_torchrun)
 
 log = logging.getLogger(__name__)
-
-WORKER_MODULE = "elastor_mcore.runtime.node_worker"
 
 AGENT_LINES = (
     ("agent_failed", re.compile(r"Worker group (FAILED|UNHEALTHY)")),
@@ -66,44 +60,36 @@ AGENT_LINES = (
 )
 """The agent's INFO lines (same text in torch 2.13 and 2.14) that time a recovery."""
 PROGRESS = re.compile(r"(step +\d+  loss|step time:|planner:)")
-"""The reporting rank's lines (``runtime.worker.MetricsPrinter``), echoed for people."""
+"""The reporting rank's lines (``elastic.rank.worker.MetricsPrinter``), echoed for people."""
 
 
-@dataclass(frozen=True)
-class NodeConfig:
-    settings: RunSettings
-    """What the job trains; the launcher sets save, hardware and elastic paths."""
-    recipe: Recipe
-    hardware_path: Path
-    run_dir: Path
-    node: str
-    """This node's name in the job (unique per node; the hostname by default)."""
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig(JobConfig):
+    """One node of a job of several; the launcher sets save, hardware and elastic paths.
+    The checkpoint root (``--checkpoint-dir``, or ``<run_dir>/checkpoints``) must be one
+    that every node reaches."""
+
+    nodes: NodeSettings
+    """The job's rendezvous, checked, with this node's name (unique per node)."""
     slots: int
-    rdzv: Rendezvous
-    failures: tuple[Failure, ...] = ()
-    """This node's failure plan; slots are this node's local slots."""
-    hang: HangPolicy = HangPolicy()
-    devices: Literal["cpu", "cuda"] = "cpu"
-    probe_timeout_s: float = 60.0
-    checkpoint_root: str | None = None
-    """A directory or ``s3://`` URL every node reaches (None: ``run_dir/checkpoints``,
-    which must then be shared)."""
-    health_file: str | None = None
-    use_all_slots: bool = False
-    poll_s: float = 0.2
+    """This node's slots; a failure plan names them 0..slots-1."""
 
     def __post_init__(self) -> None:
         if self.slots <= 0:
             raise ValueError(f"--slots must be positive, got {self.slots}")
-        if self.settings.save_interval <= 0:
-            raise ValueError("save_interval must be positive (recovery resumes from the "
-                             f"latest checkpoint), got {self.settings.save_interval}")
-        validate(self.failures, range(self.slots), self.settings.steps,
-                 self.settings.failure_plan or "failure plan")
+        self.nodes.check()
+        if not self.nodes.several or not self.nodes.node_name:
+            raise ValueError("a node of a job needs --rdzv-endpoint, --nnodes, --rdzv-id "
+                             "and its name")
+        super().__post_init__()
 
     @property
-    def checkpoint_dir(self) -> Location:
-        return run_checkpoint_dir(self.run_dir, self.checkpoint_root)
+    def failure_slots(self) -> Sequence[int]:
+        return range(self.slots)
+
+    @property
+    def node(self) -> str:
+        return self.nodes.node_name
 
 
 @dataclass
@@ -139,27 +125,28 @@ class NodeLauncher:
         """Workers killed as hung (dying takes a moment: kill each once)."""
 
     def command(self) -> list[str]:
+        """The elastic agent's command: it starts the workload's round command on every
+        slot at every round."""
         cfg = self.config
         settings = replace(cfg.settings, save_dir=str(cfg.checkpoint_dir),
                            hardware=str(cfg.hardware_path), elastic_dir=str(self.node_dir))
-        node_args = ["--node-name", cfg.node, "--node-dir", str(self.node_dir),
-                     "--store-endpoint", cfg.rdzv.endpoint, "--job-id", cfg.rdzv.run_id,
-                     "--devices", cfg.devices, "--probe-timeout", str(cfg.probe_timeout_s)]
-        if cfg.health_file:
-            node_args += ["--health-file", cfg.health_file]
-        if cfg.use_all_slots:
-            node_args.append("--use-all-slots")
-        return elastic_agent_command(cfg.slots, cfg.rdzv, WORKER_MODULE,
-                                     [*settings.to_argv(), *node_args])
+        node = RoundSettings(
+            node_name=cfg.node, node_dir=str(self.node_dir),
+            store_endpoint=cfg.nodes.rdzv_endpoint, job_id=cfg.nodes.rdzv_id,
+            devices=cfg.launch.devices, probe_timeout=cfg.launch.probe_timeout,
+            health_file=cfg.nodes.health_file, use_all_slots=cfg.launch.use_all_slots)
+        rank = cfg.workload.round_command(settings, node)
+        return elastic_agent_command(cfg.slots, cfg.nodes, cfg.launch.max_restarts,
+                                     rank.module, rank.args)
 
     def run(self) -> NodeOutcome:
         """Run the agent until it exits; the nodes of one job share the checkpoint
         root's lease (its job id is the rendezvous id)."""
         cfg = self.config
         self.on_message(f"node {cfg.node}: {cfg.slots} slots, rendezvous "
-                        f"{cfg.rdzv.endpoint} id {cfg.rdzv.run_id} (nodes {cfg.rdzv.nnodes}); "
-                        f"files in {self.node_dir}")
-        with CheckpointLease(cfg.checkpoint_dir, f"rdzv:{cfg.rdzv.run_id}"):
+                        f"{cfg.nodes.rdzv_endpoint} id {cfg.nodes.rdzv_id} (nodes "
+                        f"{cfg.nodes.nnodes}); files in {self.node_dir}")
+        with CheckpointLease(cfg.checkpoint_dir, f"rdzv:{cfg.nodes.rdzv_id}"):
             outcome = self._run_agent()
         outcome.timeline = node_timeline.build(self.node_dir)
         node_timeline.write_json(self.node_dir / "timeline.json", outcome.timeline)
@@ -172,10 +159,10 @@ class NodeLauncher:
         # running job waits forever for the worker store's address, which the rank-0
         # agent publishes only in its first round (torch 2.13, 2.14).
         env = {"LOGLEVEL": "INFO", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        if cfg.devices == "cuda":
+        if cfg.launch.devices == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = os.environ.get(
                 "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(cfg.slots))))
-        proc = start_torchrun(cfg.slots, WORKER_MODULE, command=self.command(), env=env,
+        proc = start_torchrun(self.command(), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         reader = threading.Thread(target=self._read_agent, args=(proc,), daemon=True)
         reader.start()
@@ -246,6 +233,6 @@ class NodeLauncher:
             return NodeOutcome(data["finished"], data["reason"], self.node_dir, code)
         return NodeOutcome(
             False, f"the elastic agent exited with code {code} without the job ending (its "
-                   f"restarts, --max-restarts {self.config.rdzv.max_restarts}, are used up, "
+                   f"restarts, --max-restarts {self.config.launch.max_restarts}, are used up, "
                    f"or the rendezvous closed); see {self.node_dir}/agent.log",
             self.node_dir, code)

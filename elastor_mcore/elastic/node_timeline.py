@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from elastor_mcore.elastic.timeline import markdown_table, secs
-from elastor_mcore.runtime.rank_hooks import (EVENTS_FILE, LAUNCHER_EVENTS, ROUNDS_DIR,
+from elastor_mcore.elastic.protocol import (EVENTS_FILE, LAUNCHER_EVENTS, ROUNDS_DIR,
                                              ROUNDS_FILE, read_events)
 
 PHASES = ("detect_s", "rendezvous_s", "relaunch_s", "probe_s", "plan_s", "load_s",

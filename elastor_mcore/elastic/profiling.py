@@ -1,9 +1,10 @@
 """Measuring a hardware profile (``elastor profile``, and the supervisor before its
 first launch) and finding a cached one.
 
-The measurement runs in a torchrun world (``runtime.profile``: twice the largest TP
-degree measured, so that two-stage pipelines fit); its raw figures become a profile
-through ``planner.calibration``. A profile counts as *measured for* a recipe on this
+The measurement runs in a torchrun world (``elastic.rank.measure``: twice the largest
+TP degree measured, so that two-stage pipelines fit), given its settings
+(``config.profile.MeasureSettings``) as argv; its raw figures become a profile through
+``planner.calibration``. A profile counts as *measured for* a recipe on this
 machine when it holds tables of the recipe's shape taken on this host and device kind.
 Figures whose repetitions disagree beyond a bound (the machine's load changed while
 they were taken, even after the world measured them again) are refused.
@@ -16,19 +17,21 @@ import os
 import socket
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal
 
+from elastor_mcore.config.profile import MeasureSettings
 from elastor_mcore.config.recipe import Recipe
-from elastor_mcore.elastic.torchrun import start_torchrun
+from elastor_mcore.elastic.torchrun import start_torchrun, torchrun_command
 from elastor_mcore.planner import HardwareError, HardwareProfile, load_hardware, write_hardware
-from elastor_mcore.planner.calibration import (DEFAULT_MAX_SPREAD, measured_profile, provenance,
-                                               unstable)
+from elastor_mcore.planner.calibration import measured_profile, provenance, unstable
 
-PROFILE_MODULE = "elastor_mcore.runtime.profile"
+MEASURE_MODULE = "elastor_mcore.elastic.rank.measure"
 CACHED_NAME = "hardware-profile.yaml"
 """The supervisor's cached profile, beside the run directory's checkpoints."""
+SUPERVISOR_REPEATS = 5
+"""Repetitions of the supervisor's own measurement: quick, as a launch waits for it."""
 Device = Literal["cpu", "cuda"]
 
 
@@ -54,24 +57,21 @@ def device_count() -> int:
     return torch.cuda.device_count()
 
 
-def measure(recipe_path: str, recipe: Recipe, base: HardwareProfile, tp_sizes: Sequence[int],
-            device: Device, repeats: int = 10,
-            on_line: Callable[[str], None] = print,
-            max_spread: float = DEFAULT_MAX_SPREAD) -> HardwareProfile:
-    """Run the measurement world and return ``base`` with the measured tables and links.
-    ``on_line`` gets the world's progress lines. Raises ``UnstableProfile`` when a
-    figure's repetitions still pin its median down no better than ``max_spread`` (the
-    width of its 90 % confidence interval over the median)."""
-    world = max(2, 2 * max(tp_sizes))
+def measure(settings: MeasureSettings, recipe: Recipe, base: HardwareProfile, device: Device,
+            on_line: Callable[[str], None] = print) -> HardwareProfile:
+    """Run the measurement world of ``settings`` (its ``tp_sizes`` set) and return
+    ``base`` with the measured tables and links. ``on_line`` gets the world's progress
+    lines. Raises ``UnstableProfile`` when a figure's repetitions still pin its median
+    down no better than ``settings.max_spread`` (the width of its 90 % confidence
+    interval over the median)."""
+    world = max(2, 2 * max(settings.tp_sizes))
     with tempfile.TemporaryDirectory(prefix="elastor-profile-") as tmp:
         raw_path = Path(tmp) / "raw.json"
         log_path = Path(tmp) / "torchrun.log"
-        args = ["--recipe", str(recipe_path), "--tp-sizes", ",".join(map(str, tp_sizes)),
-                "--repeats", str(repeats), "--out", str(raw_path),
-                "--max-spread", str(max_spread)]
+        args = replace(settings, raw_out=str(raw_path)).to_argv("measure")
         with open(log_path, "w") as log_file:
-            proc = start_torchrun(world, PROFILE_MODULE, args, stdout=subprocess.PIPE,
-                                  stderr=log_file, text=True)
+            proc = start_torchrun(torchrun_command(world, MEASURE_MODULE, args),
+                                  stdout=subprocess.PIPE, stderr=log_file, text=True)
             for line in proc.stdout:
                 on_line(line.rstrip("\n"))
             code = proc.wait()
@@ -79,16 +79,16 @@ def measure(recipe_path: str, recipe: Recipe, base: HardwareProfile, tp_sizes: S
             tail = log_path.read_text()[-3000:]
             raise ProfileError(f"the measurement world failed (exit {code}):\n{tail}")
         raw = json.loads(raw_path.read_text())
-    check_stable(raw, max_spread)
+    check_stable(raw, settings.max_spread)
     spreads = [r["spread"] for r in raw["stages"]]
-    measured_on = {**provenance(recipe_path, device, repeats),
+    measured_on = {**provenance(settings.recipe, device, settings.repeats),
                    "worst_stage_spread": round(max(spreads, default=0.0), 3),
-                   "max_spread": max_spread}
+                   "max_spread": settings.max_spread}
     return measured_profile(base, raw, recipe, measured_on)
 
 
 def check_stable(raw: dict, max_spread: float) -> None:
-    """Raise ``UnstableProfile`` naming the figures of ``raw`` (``runtime.profile``'s
+    """Raise ``UnstableProfile`` naming the figures of ``raw`` (``elastic.rank.measure``'s
     output, measured again up to 3 times by the world) whose repetitions disagree by
     more than ``max_spread``."""
     bad = unstable(raw, max_spread)
@@ -160,9 +160,10 @@ def choose_profile(run_dir: Path, recipe_path: str, recipe: Recipe, given: Path,
     tp_sizes = default_tp_sizes(recipe, base, device_count() if device == "cuda" else None)
     on_line(f"measuring a hardware profile for {recipe.name} (TP {tp_sizes}), once per "
             f"run directory ...")
+    settings = MeasureSettings(recipe=recipe_path, tp_sizes=tuple(tp_sizes),
+                               repeats=SUPERVISOR_REPEATS)
     try:
-        profile = measure(recipe_path, recipe, base, tp_sizes, device, repeats=5,
-                          on_line=on_line)
+        profile = measure(settings, recipe, base, device, on_line=on_line)
     except UnstableProfile as exc:
         on_line(f"not caching the measured profile: {exc}")
         return ProfileChoice(base, given, f"{describe(base, recipe)} (the measurement was "

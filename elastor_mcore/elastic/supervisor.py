@@ -11,8 +11,8 @@ the layout, so the relaunched run continues the same loss curve.
 Run directory::
 
     checkpoints/            committed steps (step_<N>/, latest), unless the checkpoint
-                            root is elsewhere (``checkpoint_root``: a directory or an
-                            ``s3://BUCKET/PREFIX`` URL)
+                            root is elsewhere (``--checkpoint-dir``: a directory or an
+                            ``s3://BUCKET/PREFIX`` URL; ``JobConfig.checkpoint_dir``)
     hardware-profile.yaml   the profile measured for this run (``elastic.profiling``),
                             when the supervisor had to measure one
     launch<K>/              layout.yaml (torchrun ranks), plan.json (physical slots),
@@ -20,8 +20,8 @@ Run directory::
     timeline.json           launches and recoveries (``timeline``)
 
 The planner plans with a profile measured on this machine for the recipe when one
-exists (the cached one above, or ``hardware_path`` itself), measures one first when
-asked (``measure_profile``), and says which it used; each launch's end compares the
+exists (the cached one above, or ``--hardware`` itself), measures one first when
+asked (``--measure-profile``), and says which it used; each launch's end compares the
 planner's predicted step time with the measured median.
 """
 
@@ -37,88 +37,43 @@ import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import psutil
 
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
-from elastor_mcore.checkpoint.storage import Location, as_path
 from elastor_mcore.elastic import probe, profiling
+from elastor_mcore.elastic.job import JobConfig
+from elastor_mcore.elastic.protocol import HEARTBEAT_DIR, read_beats
 from elastor_mcore.elastic.report import launch_step_s
-from elastor_mcore.config.failure_plan import Failure, validate
-from elastor_mcore.elastic.heartbeat import HangPolicy, read_beats
-from elastor_mcore.runtime.device_probe import probe_cuda
-from elastor_mcore.runtime.rank_hooks import HEARTBEAT_DIR
 from elastor_mcore.elastic.timeline import LaunchRecord, write_json
-from elastor_mcore.elastic.torchrun import forwarding_stop_signals, start_torchrun
+from elastor_mcore.elastic.torchrun import (forwarding_stop_signals, start_torchrun,
+                                            torchrun_command)
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
-from elastor_mcore.config.recipe import Recipe
-from elastor_mcore.config.run import RunSettings
 
 log = logging.getLogger(__name__)
 
-WORKER_MODULE = "elastor_mcore.runtime.worker"
 STOP_GRACE_S = 20.0
 """After forwarding SIGINT/SIGTERM, how long torchrun may take to stop its ranks
 before the supervisor SIGKILLs what is left."""
 
 
-@dataclass(frozen=True)
-class SupervisorConfig:
-    settings: RunSettings
-    """What every launch trains (recipe file, steps, saving, seed, data, failure plan);
-    the supervisor sets each launch's layout, checkpoint and elastic paths. Prepare the
-    data once beforehand (``data.source.prepare_data``)."""
-    recipe: Recipe
-    """``settings.recipe`` loaded, for the planner."""
+@dataclass(frozen=True, kw_only=True)
+class SupervisorConfig(JobConfig):
+    """A job on the slots of one host; the supervisor sets each launch's layout,
+    checkpoint and elastic paths."""
+
     hardware: planner.HardwareProfile
+    """``launch.hardware`` loaded. A profile measured here for the recipe replaces it
+    (see the module docstring)."""
     slots: tuple[int, ...]
     """Physical slots of the cluster (GPU ids, or CPU rank slots), node-major."""
-    run_dir: Path
-    failures: tuple[Failure, ...] = ()
-    """The content of ``settings.failure_plan``."""
-    max_restarts: int = 3
-    hang: HangPolicy = HangPolicy()
-    devices: Literal["cpu", "cuda"] = "cpu"
-    probe_timeout_s: float = 60.0
-    poll_s: float = 0.2
-    hardware_path: Path | None = None
-    """The file ``hardware`` was read from. With it, a profile measured here for the
-    recipe replaces ``hardware`` (see the module docstring)."""
-    measure_profile: bool = False
-    """With ``hardware_path``: measure a profile (once per run directory) when none was
-    measured here for the recipe."""
-    checkpoint_root: str | None = None
-    """Where the launches save and resume: a directory or ``s3://BUCKET/PREFIX``
-    (endpoint and credentials from the AWS environment); None: ``run_dir/checkpoints``.
-    The lease, the relaunch's latest committed step and pruning all work on it."""
-    use_all_slots: bool = False
-    """Keep every alive slot busy (``planner.plan(use_all=True)``): for CPU slots that
-    stand for GPUs, where the fastest layout on fewer cores than slots would leave
-    slots idle, and the failures meant for them with them."""
-
-    def __post_init__(self) -> None:
-        steps, save_interval = self.settings.steps, self.settings.save_interval
-        if steps <= 0:
-            raise ValueError(f"steps must be positive, got {steps}")
-        if save_interval <= 0:
-            raise ValueError(f"save_interval must be positive (recovery resumes from the "
-                             f"latest checkpoint), got {save_interval}")
-        if self.max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-        validate(self.failures, self.slots, steps, self.settings.failure_plan or "failure plan")
 
     @property
-    def checkpoint_dir(self) -> Location:
-        return run_checkpoint_dir(self.run_dir, self.checkpoint_root)
-
-
-def run_checkpoint_dir(run_dir: Path, root: str | None) -> Location:
-    """Where a run's checkpoints go: ``root`` (a directory or an ``s3://`` URL) if given,
-    else ``<run_dir>/checkpoints``."""
-    return run_dir / "checkpoints" if root is None else as_path(root)
+    def failure_slots(self) -> Sequence[int]:
+        return self.slots
 
 
 @dataclass
@@ -176,8 +131,8 @@ class Supervisor:
     """Runs ``config`` to the end, recovering from failures; see the module docstring.
 
     ``on_message`` receives a line per event for people (launch, failure, recovery);
-    ``on_step`` each step's metrics record (``worker.MetricsPrinter``'s JSON) with the
-    launch it came from.
+    ``on_step`` each step's metrics record (``elastic.rank.worker.MetricsPrinter``'s
+    JSON) with the launch it came from.
     """
 
     def __init__(self, config: SupervisorConfig,
@@ -190,7 +145,7 @@ class Supervisor:
         self.dead: set[int] = set()
         self.hardware = config.hardware
         """The profile the planner uses (chosen at the start of ``run``)."""
-        self.profile_path: Path | None = config.hardware_path
+        self.profile_path: Path = config.hardware_path
 
     # ----- the loop ------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -205,12 +160,10 @@ class Supervisor:
 
     def _choose_profile(self) -> None:
         cfg = self.config
-        if cfg.hardware_path is None:
-            self.on_message(f"planner profile: {cfg.hardware.name} (given)")
-            return
         choice = profiling.choose_profile(
-            cfg.run_dir, cfg.settings.recipe, cfg.recipe, cfg.hardware_path, cfg.devices,
-            cfg.measure_profile, on_line=lambda line: self.on_message(line.strip()))
+            cfg.run_dir, cfg.settings.recipe, cfg.recipe, cfg.hardware_path,
+            cfg.launch.devices, cfg.launch.measure_profile,
+            on_line=lambda line: self.on_message(line.strip()))
         self.hardware = choice.hardware
         self.profile_path = choice.path
         self.on_message(f"planner profile: {choice.path} ({choice.why})")
@@ -231,10 +184,10 @@ class Supervisor:
                     return self._finish(True, f"finished {cfg.settings.steps} steps after "
                                               f"{len(self.launches) - 1} recoveries")
                 restarts = len(self.launches) - 1
-                if restarts >= cfg.max_restarts:
+                if restarts >= cfg.launch.max_restarts:
                     return self._finish(False, f"gave up: launch {record.index} failed "
                                                f"and {restarts} restarts were made already "
-                                               f"(--max-restarts {cfg.max_restarts})")
+                                               f"(--max-restarts {cfg.launch.max_restarts})")
                 start = time.perf_counter()
                 alive = self._survivors(alive, record)
                 probe_s = time.perf_counter() - start
@@ -253,7 +206,8 @@ class Supervisor:
         cfg = self.config
         start = time.perf_counter()
         try:
-            chosen = planner.plan(cfg.recipe, self.hardware, alive, use_all=cfg.use_all_slots)
+            chosen = planner.plan(cfg.recipe, self.hardware, alive,
+                                  use_all=cfg.launch.use_all_slots)
         except planner.PlannerError as exc:
             which = "surviving slots" if self.launches else "slots"
             return f"gave up: the {len(alive)} {which} {alive} cannot hold the model: {exc}"
@@ -300,16 +254,16 @@ class Supervisor:
         ranked, slots = torchrun_layout(layout)
         (out / "layout.yaml").write_text(ranked.to_yaml())
         resume = str(cfg.checkpoint_dir) if record.resumed_from is not None else None
-        args = replace(cfg.settings, layout=str(out / "layout.yaml"),
-                       metrics_out=str(out / "metrics.jsonl"), save_dir=str(cfg.checkpoint_dir),
-                       load_dir=resume, elastic_dir=str(out), rank_slots=slots,
-                       hardware=str(self.profile_path) if self.profile_path else None).to_argv()
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} if cfg.devices == "cuda" \
-            else None
+        rank = cfg.workload.launch_command(replace(
+            cfg.settings, layout=str(out / "layout.yaml"), metrics_out=str(out / "metrics.jsonl"),
+            save_dir=str(cfg.checkpoint_dir), load_dir=resume, elastic_dir=str(out),
+            rank_slots=slots, hardware=str(self.profile_path)))
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} \
+            if cfg.launch.devices == "cuda" else None
         with open(out / "torchrun.log", "w") as log_file:
             record.launched_at = time.time()
-            return start_torchrun(len(slots), WORKER_MODULE, args, env=env, stdout=log_file,
-                                  stderr=subprocess.STDOUT)
+            return start_torchrun(torchrun_command(len(slots), rank.module, rank.args), env=env,
+                                  stdout=log_file, stderr=subprocess.STDOUT)
 
     def _heartbeats(self, record: LaunchRecord) -> Path:
         return Path(record.dir) / HEARTBEAT_DIR
@@ -378,6 +332,6 @@ class Supervisor:
         device must also pass a probe."""
         self.dead.update(e["slot"] for e in failed.failures())
         candidates = probe.alive_slots(alive, self.dead)
-        if self.config.devices == "cuda":
-            return probe_cuda(candidates, self.config.probe_timeout_s)
+        if self.config.launch.devices == "cuda":
+            return probe.probe_cuda(candidates, self.config.launch.probe_timeout)
         return candidates

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from elastor_mcore.runtime.rank_hooks import EVENTS_FILE, read_events
+from elastor_mcore.elastic.protocol import EVENTS_FILE, read_events
 
 PHASES = ("detect_s", "stop_s", "probe_s", "plan_s", "relaunch_s", "load_s", "first_step_s")
 

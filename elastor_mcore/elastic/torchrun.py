@@ -12,7 +12,7 @@ only the launcher) and starts each worker in a session of its own; so the launch
 forwards SIGINT and SIGTERM to torchrun, which stops its workers, and every link of
 the chain gets a parent-death signal (``compat.process``): if the launcher is
 SIGKILLed, torchrun gets SIGTERM and stops the workers; if torchrun is SIGKILLed,
-the workers get SIGKILL (``runtime.worker`` arms that).
+the workers get SIGKILL (the rank entry points in ``elastic.rank`` arm that).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from elastor_mcore.compat.process import parent_death_preexec
+from elastor_mcore.config.launch import NodeSettings
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -37,32 +37,22 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str] = ()) -> list[
             module, *args]
 
 
-@dataclass(frozen=True)
-class Rendezvous:
-    """Torch elastic's c10d rendezvous for a job of several nodes: every node's agent
-    gets the same endpoint and id, and ``nnodes`` as ``MIN:MAX``."""
-
-    endpoint: str
-    """``HOST:PORT``; the agent on HOST hosts the rendezvous store (c10d backend)."""
-    run_id: str
-    nnodes: str
-    max_restarts: int = 3
-    conf: str | None = None
-    """torchrun's ``--rdzv-conf`` (e.g. ``last_call_timeout=5,join_timeout=120``)."""
-    monitor_interval_s: float = 0.5
+MONITOR_INTERVAL_S = 0.5
+"""How often a node's agent checks its workers (torch's default is 5 s)."""
 
 
-def elastic_agent_command(nproc: int, rdzv: Rendezvous, module: str,
+def elastic_agent_command(nproc: int, nodes: NodeSettings, max_restarts: int, module: str,
                           args: Sequence[str] = ()) -> list[str]:
     """``python -m torch.distributed.run --nnodes MIN:MAX --rdzv-backend c10d ...``: one
-    node's elastic agent, starting ``nproc`` workers at every rendezvous round."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={rdzv.nnodes}",
+    node's elastic agent for the job ``nodes`` describes (every node gets the same
+    endpoint, id and node counts; the agent on the endpoint's host hosts the rendezvous
+    store), starting ``nproc`` workers at every rendezvous round."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes.nnodes}",
                f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint={rdzv.endpoint}", f"--rdzv-id={rdzv.run_id}",
-               f"--max-restarts={rdzv.max_restarts}",
-               f"--monitor-interval={rdzv.monitor_interval_s}"]
-    if rdzv.conf:
-        command.append(f"--rdzv-conf={rdzv.conf}")
+               f"--rdzv-endpoint={nodes.rdzv_endpoint}", f"--rdzv-id={nodes.rdzv_id}",
+               f"--max-restarts={max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S}"]
+    if nodes.rdzv_conf:
+        command.append(f"--rdzv-conf={nodes.rdzv_conf}")
     return [*command, "--module", module, *args]
 
 
@@ -75,15 +65,13 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def start_torchrun(nproc: int, module: str, args: Sequence[str] = (), *,
-                   env: dict[str, str] | None = None, command: list[str] | None = None,
+def start_torchrun(command: list[str], *, env: dict[str, str] | None = None,
                    **popen_kwargs) -> subprocess.Popen:
-    """Start a torchrun world (standalone, or ``command``: an elastic agent) in its own
-    session; it gets SIGTERM if we die."""
+    """Start a torchrun world (``torchrun_command``, or a node's
+    ``elastic_agent_command``) in its own session; it gets SIGTERM if we die."""
     return subprocess.Popen(
-        command or torchrun_command(nproc, module, args), env=worker_env(env),
-        start_new_session=True, preexec_fn=parent_death_preexec(signal.SIGTERM),
-        **popen_kwargs)
+        command, env=worker_env(env), start_new_session=True,
+        preexec_fn=parent_death_preexec(signal.SIGTERM), **popen_kwargs)
 
 
 @contextlib.contextmanager
@@ -126,7 +114,8 @@ def run_torchrun(nproc: int, module: str, args: Sequence[str] = (), *,
     as the return code a shell gives (128 + the signal: 130, 143).
     """
     pipe = subprocess.PIPE if capture else None
-    proc = start_torchrun(nproc, module, args, env=env, stdout=pipe, stderr=pipe, text=True)
+    proc = start_torchrun(torchrun_command(nproc, module, args), env=env, stdout=pipe,
+                          stderr=pipe, text=True)
     with forwarding_stop_signals(proc) as received:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)

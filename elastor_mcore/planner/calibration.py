@@ -1,4 +1,4 @@
-"""From ``elastor profile``'s raw figures (``runtime.profile``) to a hardware profile.
+"""From ``elastor profile``'s raw figures (``elastic.rank.measure``) to a hardware profile.
 
 Pure arithmetic, so it can be checked by hand (and ``provenance``, the record of where
 and when the figures were taken):
@@ -25,7 +25,7 @@ and when the figures were taken):
 * **Links.** P2P: one-way time at two message sizes gives bandwidth (and latency), for
   a pair of ranks on one node and, under a multi-node launch, a pair on two nodes
   (the inter-node link). Inside a node the latency the cost model charges per boundary
-  and micro-batch is the measured 1F1B hand-off (``runtime.profile.measure_handoff``:
+  and micro-batch is the measured 1F1B hand-off (``elastic.rank.measure.measure_handoff``:
   the runtime's own schedule and communicator between two stages that do no work, at
   a small message) less that message's bandwidth time. All-reduce: least squares of the ring model ``2(d-1)/d x
   bytes / bandwidth + 2(d-1) x latency`` over every group size and message size.
@@ -48,12 +48,6 @@ from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.planner.hardware import (HardwareError, HardwareProfile, RecipeMeasurements,
                                             StageTable, recipe_shape)
 
-DEFAULT_MAX_SPREAD = 0.25
-"""``elastor profile``'s default bound on a figure's spread (the width of its median's
-confidence interval over the median, ``robust``)."""
-DEFAULT_REPEATS = 30
-"""``elastor profile``'s default repetitions: with 30 the median's 90 % interval runs
-from the 11th to the 20th of them (with 10, from the 2nd to the 9th)."""
 MEDIAN_CONFIDENCE = 0.9
 """Confidence of the interval ``robust`` measures the spread with."""
 

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +24,8 @@ from elastor_mcore import checkpoint, planner
 from elastor_mcore.runtime.state import (
     check_lr_schedule, check_resumable, chunk_policy, data_fields, describe_load,
     ensure_optimizer_state, manifest_fields, restore_non_tensor_state, state_shards)
-from elastor_mcore.config.run import DataConfig, RunSettings
+from elastor_mcore.config.data import DataConfig
+from elastor_mcore.config.run import RunSettings
 from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_sample_indices,
                                         tp_shared_micro_batches)
 from elastor_mcore.data.source import build_sample_source
@@ -36,12 +37,12 @@ from elastor_mcore.planner.cost_model import MemoryBreakdown
 from elastor_mcore.runtime.memory import RankMemory, SavedTensorMeter
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.parallel.layout import Layout
+from elastor_mcore.runtime.hooks import StepHooks
 from elastor_mcore.runtime.model import build_stage_model, initialize_weights
 from elastor_mcore.runtime.optimizer import StageOptimizer
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.shipped import shipped_path
-from elastor_mcore.runtime.rank_hooks import RankHooks
 from elastor_mcore.runtime.schedule import run_1f1b
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,9 @@ class RunConfig:
     """Steps, saving, resuming, data (every flag ``elastor train`` passes a rank)."""
     on_step: Callable[[StepMetrics], None] | None = None
     """Called on the reporting rank (the lowest active rank) after every step."""
-    hooks: RankHooks = field(default_factory=RankHooks)
-    """Per-rank callbacks on every active rank (heartbeats, failure injection)."""
+    hooks: StepHooks = field(default_factory=StepHooks)
+    """Callbacks on every active rank (under the supervisor: heartbeats, events,
+    injected failures)."""
     on_memory: Callable[[list[OptimizerMemory]], None] | None = None
     """With ``settings.report_memory``: called on the reporting rank before the first
     step with every active rank's optimizer state."""
@@ -290,9 +292,7 @@ def resume(runner: StageRunner, load_dir: str, seed: int, data: DataConfig | Non
 
 
 def checkpoint_manager(runner: StageRunner, cfg: RunConfig) -> checkpoint.CheckpointManager:
-    policy = checkpoint.SavePolicy(
-        asynchronous=cfg.settings.async_save, when_busy=cfg.settings.save_when_busy,
-        on_error=cfg.settings.on_save_error, keep=cfg.settings.keep_checkpoints)
+    policy = checkpoint.SavePolicy(**asdict(cfg.settings.saving))
     return checkpoint.CheckpointManager(cfg.settings.save_dir, group=runner.groups.active,
                                         chunking=chunk_policy(cfg.recipe), policy=policy)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from elastor_mcore.config.recipe import load_recipe
-from elastor_mcore.config.run import DataConfig
+from elastor_mcore.config.data import DataConfig
 from elastor_mcore.data.samples import pipeline_sample_indices, tp_shared_micro_batches
 from elastor_mcore.data.source import build_sample_source
 from elastor_mcore.parallel.layout import layout_from_dict

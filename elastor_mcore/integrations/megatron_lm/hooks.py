@@ -20,10 +20,12 @@ A run, in order (``docs/megatron-lm.md`` has the same list as a table):
 2. Parallel state: ``initialize_model_parallel`` installs the layout's groups, then
    rewrites each rank's arguments to its stage.
 3. Model and optimizer: the model config is rebuilt from the adapted arguments,
-   replicas are made equal and ZeRO-1 spans pipelines.
+   replicas are made equal and ZeRO-1 spans pipelines (its all-gather driven through
+   the model chunk under ``--overlap-param-gather``).
 4. Loading (``--load``): the tracker and checkpoint on object storage, zarr
    checkpoints read, per-layer keys.
-5. Training: data per pipeline, Elastor's schedule, the global gradient norm.
+5. Training: data per pipeline, Elastor's schedule (sequence parallelism, the
+   reduction overlapping the backward), the global gradient norm, the memory report.
 6. Saving (``--save``): zarr, foreground or async, to a directory or ``s3://``.
 
 The state every replacement shares is one ``installation.Installation``; its options
@@ -101,15 +103,17 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.training.arguments", "validate_args", stateless(training.wrap_validate),
           "parse_and_validate_args, before pretrain (core_v0.19.0)",
           "a heterogeneous layout's placeholder TP 1 x PP 1 is validated as one rank, so "
-          "its data-parallel size (1) divides any global batch"),
+          "its data-parallel size (1) divides any global batch (--sequence-parallel, which "
+          "it turns off at TP 1, comes back on the stages of TP > 1 in adapt_args)"),
     Patch("megatron.training.initialize", "validate_args", stateless(training.wrap_validate),
           "initialize_megatron, inside pretrain (core_v0.16.1)", "the same"),
     # 2. parallel state
     Patch("megatron.core.parallel_state", "initialize_model_parallel", wrap_initialize,
           "initialize_megatron, once torch.distributed is up",
           "the layout's groups instead of Megatron's uniform grid; then this rank's "
-          "arguments become its stage's (TP, PP, layers per stage, data-parallel size, "
-          "micro-batch count, layout-independent vocabulary padding; args.adapt_args)",
+          "arguments become its stage's (TP, PP, sequence parallelism, layers per stage, "
+          "data-parallel size, micro-batch count, layout-independent vocabulary padding; "
+          "args.adapt_args)",
           megatron_lm=False),
     # 3. model and optimizer
     Patch(_TRAINING, "setup_model_and_optimizer", training.wrap_setup_model,
@@ -119,8 +123,10 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_TRAINING, "get_megatron_optimizer", training.wrap_get_optimizer,
           "setup_model_and_optimizer, once the model exists",
           "heterogeneous: every weight held in several pipelines takes its lowest-ranked "
-          "holder's initial values; --use-distributed-optimizer becomes ZeRO-1 across "
-          "pipelines (zero_optimizer.py)"),
+          "holder's initial values (a tied embedding's last-stage copy a first stage's); "
+          "--use-distributed-optimizer becomes ZeRO-1 across pipelines (zero_optimizer.py); "
+          "under --overlap-param-gather the model chunk's start_param_sync and forward "
+          "pre-hook switches become ZeRO-1's all-gather (overlap.py)"),
     # 4. loading
     Patch(_CKPT, "isfile", stateless(object_storage.wrap_isfile),
           "load_checkpoint: does the tracker exist (core_v0.16.1)", _TRACKER),
@@ -161,11 +167,14 @@ PATCHES: tuple[Patch, ...] = (
           "pretrain, after the model",
           "heterogeneous: each pipeline reads its slice of every global batch"),
     Patch(_TRAINING, "train", training.wrap_train, "pretrain, once",
-          "heterogeneous: refuses several optimizers (the global norm is given to one)"),
+          "heterogeneous: refuses several optimizers (the global norm is given to one); "
+          "--elastor-report-memory: keeps the optimizer for the report"),
     Patch(_TRAINING, "get_forward_backward_func", training.wrap_schedule_getter,
           "every step",
-          "heterogeneous: Elastor's 1F1B with its P2P between stages of different TP and "
-          "the gradient reduction across pipelines"),
+          "heterogeneous: Elastor's 1F1B with its P2P between stages of different TP "
+          "(sequence-parallel rows re-split) and the gradient reduction across pipelines "
+          "(started during the backward under --overlap-grad-reduce); "
+          "--elastor-report-memory: step 2 measured beside the planner (any layout)"),
     Patch("megatron.core.optimizer.optimizer", "get_grad_norm_fp32", training.wrap_grad_norm,
           "every step, in the optimizer",
           "heterogeneous: the global norm the schedule computed over every rank"),

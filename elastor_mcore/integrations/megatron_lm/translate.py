@@ -33,7 +33,8 @@ def recipe_from_args(args: argparse.Namespace, vocab_size: int | None = None) ->
     """The model, batch and memory settings Megatron-LM's arguments describe, as a Recipe
     (what the planner and ``Layout.validate`` read): layers, hidden, FFN, heads, query
     groups, sequence length, vocabulary and its padding, micro and global batch, bf16 or
-    fp32, sequence parallelism, activation recompute and the distributed optimizer.
+    fp32, sequence parallelism, activation recompute, the distributed optimizer and the
+    communication overlaps.
 
     ``vocab_size`` is the tokenizer's (unpadded) vocabulary; without it ``--vocab-size``
     is used, never Megatron's ``padded_vocab_size`` (padding it again would record a
@@ -62,10 +63,19 @@ def recipe_from_args(args: argparse.Namespace, vocab_size: int | None = None) ->
         global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
         seed=args.seed, params_dtype="bfloat16" if args.bf16 else "float32",
         distributed_optimizer=bool(args.use_distributed_optimizer),
-        sequence_parallel=bool(args.sequence_parallel),
+        sequence_parallel=requested_sequence_parallel(args),
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
         recompute_granularity=granularity, recompute_method=method,
         recompute_num_layers=recompute_layers)
     return Recipe(name="megatron-lm", model=model, training=training)
+
+
+def requested_sequence_parallel(args: argparse.Namespace) -> bool:
+    """``--sequence-parallel`` as given: Megatron-LM's validation turns it off at TP 1,
+    the placeholder of a heterogeneous layout, so the parser records it
+    (``elastor_sequence_parallel``) for the stages of TP > 1."""
+    return bool(getattr(args, "elastor_sequence_parallel", args.sequence_parallel))
 
 
 def ffn_hidden_size(args: argparse.Namespace) -> int:

@@ -22,45 +22,32 @@ import os
 import sys
 import warnings
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastor_mcore.compat.process import die_with_parent
+from elastor_mcore.config.launch import RoundSettings
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.config.run import RunSettings
+from elastor_mcore.elastic.protocol import OUTCOME_FILE, ROUNDS_FILE
+from elastor_mcore.elastic.rank.hooks import from_settings
+from elastor_mcore.elastic.rank.rendezvous_round import (NodeContext, RoundPlan, agree,
+                                                         mark_done, wait_done)
+from elastor_mcore.elastic.rank.worker import MetricsPrinter, init_distributed
 from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.planner import load_hardware
-from elastor_mcore.runtime import rank_hooks
-from elastor_mcore.runtime.rank_hooks import OUTCOME_FILE, ROUNDS_FILE
-from elastor_mcore.runtime.rendezvous_round import (NodeContext, RoundPlan, agree, mark_done,
-                                                     wait_done)
+from elastor_mcore.runtime.hooks import StepHooks
 from elastor_mcore.runtime.train import Prediction, RunConfig, train
-from elastor_mcore.runtime.worker import MetricsPrinter, init_distributed
-
-MODULE = "elastor_mcore.runtime.node_worker"
 
 
-def add_node_arguments(parser: argparse.ArgumentParser) -> None:
-    """The node launcher's flags for its workers (beside the run settings); none may
-    abbreviate one of torchrun's flags (its parser reads the whole command line)."""
-    parser.add_argument("--node-name", required=True)
-    parser.add_argument("--node-dir", required=True)
-    parser.add_argument("--store-endpoint", required=True)
-    parser.add_argument("--job-id", required=True)
-    parser.add_argument("--devices", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--probe-timeout", type=float, default=60.0)
-    parser.add_argument("--health-file", default=None)
-    parser.add_argument("--use-all-slots", action="store_true")
-
-
-def parse_args(argv: list[str] | None = None) -> tuple[RunSettings, argparse.Namespace]:
-    parser = argparse.ArgumentParser(prog=MODULE)
+def parse_args(argv: list[str] | None = None) -> tuple[RunSettings, RoundSettings]:
+    """The run settings (the round plans the layout) and the node launcher's."""
+    parser = argparse.ArgumentParser(prog="elastor_mcore.elastic.rank.node_worker")
     RunSettings.add_arguments(parser, "worker", {"layout": {"required": False}})
-    add_node_arguments(parser)
+    RoundSettings.add_arguments(parser, "node-worker")
     args = parser.parse_args(argv)
-    return RunSettings.from_args(args, "worker"), args
+    return RunSettings.from_args(args, "worker"), RoundSettings.from_args(args, "node-worker")
 
 
 def write_outcome(ctx: NodeContext, finished: bool, reason: str) -> None:
@@ -88,8 +75,7 @@ def run_round(ctx: NodeContext, settings: RunSettings, plan: RoundPlan, recipe) 
     printer = MetricsPrinter(settings.metrics_out, prediction) if reporter else None
     try:
         train(RunConfig(recipe, layout, settings, on_step=printer,
-                        hooks=rank_hooks.from_settings(settings, rank) if active
-                        else rank_hooks.RankHooks()))
+                        hooks=from_settings(settings, rank) if active else StepHooks()))
     finally:
         if printer:
             printer.close()
@@ -104,14 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("ELASTOR_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
     die_with_parent()  # if the agent is SIGKILLed, no rank trains on unseen
-    settings, args = parse_args(argv)
-    ctx = NodeContext(args.node_name, Path(args.node_dir), args.store_endpoint, args.job_id,
-                      args.devices, args.probe_timeout, args.health_file)
+    settings, round_settings = parse_args(argv)
+    ctx = NodeContext(round_settings)
     recipe = load_recipe(settings.recipe)
     init_distributed()
     try:
         plan = agree(ctx, recipe, load_hardware(settings.hardware), settings.save_dir,
-                     args.use_all_slots, STARTED_AT)
+                     round_settings.use_all_slots, STARTED_AT)
         if ctx.local_rank == 0:
             with open(ctx.node_dir / ROUNDS_FILE, "a") as f:
                 f.write(json.dumps(asdict(plan)) + "\n")

@@ -1,12 +1,14 @@
 """Measure the bytes each rank moves per training step, next to the minimum.
 
-Run under torchrun (``tools/comm_volume.py`` does that): every rank trains one step of
-the layout, counting what its ``StageCommunicator`` really sent and received and what
-its ``GradientSynchronizer`` all-reduced; the lowest active rank prints a table.
+Run under torchrun with the training worker's flags (``tools/comm_volume.py`` does
+that): every rank trains one step of the layout, counting what its
+``StageCommunicator`` really sent and received and what its ``GradientSynchronizer``
+all-reduced; the lowest active rank prints a table.
 
 Minimums: each rank must receive at least the rows of the activation (and of the
 gradient of its input) it holds, once per micro-batch in each direction it has a
-neighbour: a full copy without sequence parallelism, its slice of the sequence with it. For gradients, a cell of a global
+neighbour: a full copy without sequence parallelism, its slice of the sequence with
+it. For gradients, a cell of a global
 tensor held in ``k`` pipelines must be summed over one representative per pipeline:
 a ring all-reduce sends ``2(k-1)/k`` of the cell from each representative; other TP
 replicas of a norm weight need nothing on the wire to compute it.
@@ -14,16 +16,16 @@ replicas of a norm weight need nothing on the wire to compute it.
 
 from __future__ import annotations
 
-import argparse
 import warnings
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.data.samples import SyntheticTokens
+from elastor_mcore.elastic.rank.worker import init_distributed, parse_args
 from elastor_mcore.parallel.groups import GroupCache
 from elastor_mcore.parallel.layout import load_layout
-from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.runtime.train import StageRunner, setup_stage
 
 
@@ -80,21 +82,17 @@ def format_table(rows: list[RankTraffic]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="elastor_mcore.runtime.traffic")
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--layout", required=True)
-    args = parser.parse_args()
+    settings = parse_args()
     warnings.filterwarnings("ignore")
-    from elastor_mcore.runtime.worker import init_distributed
 
-    recipe = load_recipe(args.recipe)
-    layout = load_layout(args.layout, recipe)
+    recipe = load_recipe(settings.recipe)
+    layout = load_layout(settings.layout, recipe)
     init_distributed()
-    runner = setup_stage(recipe, layout, recipe.training.seed, GroupCache())
+    seed = settings.seed_for(recipe.training.seed)
+    runner = setup_stage(recipe, layout, seed, GroupCache())
     row = None
     if runner is not None:
-        source = SyntheticTokens(recipe.model.vocab_size, recipe.model.seq_length,
-                                 recipe.training.seed)
+        source = SyntheticTokens(recipe.model.vocab_size, recipe.model.seq_length, seed)
         runner.train_step(source, 0)
         row = measure(runner)
     rows: list = [None] * dist.get_world_size()

@@ -33,9 +33,10 @@ import yaml
 
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
+from elastor_mcore.config.launch import RoundSettings
 from elastor_mcore.config.recipe import Recipe
-from elastor_mcore.runtime.device_probe import probe_cuda
-from elastor_mcore.runtime.rank_hooks import EVENTS_FILE, ROUNDS_DIR, read_events
+from elastor_mcore.elastic.probe import probe_cuda
+from elastor_mcore.elastic.protocol import EVENTS_FILE, ROUNDS_DIR, read_events
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +47,15 @@ STORE_TIMEOUT = timedelta(seconds=120)
 class NodeContext:
     """Where this worker runs, from the node launcher's flags and torch's environment."""
 
-    node: str
-    node_dir: Path
-    rdzv_endpoint: str
-    rdzv_id: str
-    devices: str = "cpu"
-    probe_timeout_s: float = 60.0
-    health_file: str | None = None
+    settings: RoundSettings
+
+    @property
+    def node(self) -> str:
+        return self.settings.node_name
+
+    @property
+    def node_dir(self) -> Path:
+        return Path(self.settings.node_dir)
 
     @property
     def rank(self) -> int:
@@ -72,11 +75,11 @@ class NodeContext:
     def store(self) -> dist.TCPStore:
         """A client of the rendezvous store (hosted by the endpoint's agent for the
         whole job, unlike each round's worker store)."""
-        host, port = self.rdzv_endpoint.rsplit(":", 1)
+        host, port = self.settings.store_endpoint.rsplit(":", 1)
         return dist.TCPStore(host, int(port), is_master=False, timeout=STORE_TIMEOUT)
 
     def key(self, name: str) -> str:
-        return f"elastor/{self.rdzv_id}/{name}"
+        return f"elastor/{self.settings.job_id}/{name}"
 
 
 @dataclass(frozen=True)
@@ -124,10 +127,11 @@ def dead_slots(ctx: NodeContext) -> set[int]:
     dead = set()
     for events in (ctx.node_dir / ROUNDS_DIR).glob(f"*/{EVENTS_FILE}"):
         dead.update(e["slot"] for e in read_events(events, "failure"))
-    if ctx.health_file and Path(ctx.health_file).is_file():
-        listed = yaml.safe_load(Path(ctx.health_file).read_text()) or []
+    health_file = ctx.settings.health_file
+    if health_file and Path(health_file).is_file():
+        listed = yaml.safe_load(Path(health_file).read_text()) or []
         if not isinstance(listed, list) or not all(isinstance(s, int) for s in listed):
-            raise ValueError(f"health file {ctx.health_file}: expected a list of this "
+            raise ValueError(f"health file {health_file}: expected a list of this "
                              f"node's dead slots, e.g. [1, 3]; got {listed!r}")
         dead.update(listed)
     return dead
@@ -137,10 +141,10 @@ def check_device(ctx: NodeContext, started_at: float) -> Member:
     """This rank's report: its slot's health (probed on CUDA)."""
     start = time.perf_counter()
     healthy = ctx.local_rank not in dead_slots(ctx)
-    if healthy and ctx.devices == "cuda":  # the probe sets CUDA_VISIBLE_DEVICES itself
+    if healthy and ctx.settings.devices == "cuda":  # the probe sets CUDA_VISIBLE_DEVICES itself
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         device = int(visible.split(",")[ctx.local_rank]) if visible else ctx.local_rank
-        healthy = probe_cuda([device], ctx.probe_timeout_s) == [device]
+        healthy = probe_cuda([device], ctx.settings.probe_timeout) == [device]
     return Member(ctx.rank, ctx.node, ctx.group_rank, ctx.local_rank, healthy,
                   started_at, time.perf_counter() - start)
 

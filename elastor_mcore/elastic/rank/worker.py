@@ -1,7 +1,8 @@
-"""Entry point of every training rank: ``torchrun ... -m elastor_mcore.runtime.worker``.
+"""Entry point of every training rank: ``torchrun ... -m elastor_mcore.elastic.rank.worker``.
 
-``elastor train`` validates everything and then starts this module through torchrun;
-it is not meant to be run by hand.
+``elastor train``, ``elastor demo`` and the supervisor (``elastic.job.TRAINER``)
+validate everything and then start this module through torchrun, with the argv of the
+run settings (``RunSettings.to_argv("worker")``); it is not meant to be run by hand.
 """
 
 from __future__ import annotations
@@ -24,17 +25,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastor_mcore.compat import cpu
 from elastor_mcore.compat.process import die_with_parent
-from elastor_mcore.runtime import rank_hooks
-from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.config.run import RunSettings
+from elastor_mcore.elastic.protocol import EVENTS_FILE, append_event
+from elastor_mcore.elastic.rank.hooks import from_settings
+from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.planner import measured_step_s
+from elastor_mcore.runtime.memory import memory_table
 from elastor_mcore.runtime.train import (Prediction, RunConfig, StepMetrics, device_for_rank,
                                          predict_step, train)
 
 
 def parse_args(argv: list[str] | None = None) -> RunSettings:
-    parser = argparse.ArgumentParser(prog="elastor_mcore.runtime.worker")
+    parser = argparse.ArgumentParser(prog="elastor_mcore.elastic.rank.worker")
     RunSettings.add_arguments(parser, "worker")
     return RunSettings.from_args(parser.parse_args(argv), "worker")
 
@@ -120,27 +123,8 @@ def print_memory(reports) -> None:
 
 
 def print_peak_memory(reports) -> None:
-    """``--report-memory``, after the first step: each rank's measured memory beside
-    the planner's prediction for its stage, in MiB, and how far apart the totals are."""
-    mib = 2**20
-    kinds = ("weights", "gradients", "optimizer", "activations")
-    print("memory per rank after step 1, measured / planner (MiB); activations: peak "
-          "saved for backward; RSS: the process's high-water, libraries included:",
-          flush=True)
-    print(f"  {'rank':>4}  {'stage':<11}" + "".join(f"{k:>20}" for k in kinds)
-          + f"{'total':>20}{'RSS':>9}" + (f"{'CUDA peak':>11}" if reports[0].device_peak
-                                          is not None else ""), flush=True)
-    for m in reports:
-        line = f"  {m.rank:>4}  {m.where:<11}"
-        for kind in (*kinds, "total"):
-            measured = getattr(m.measured, kind) / mib
-            predicted = f"{getattr(m.predicted, kind) / mib:8.3f}" if m.predicted else "       -"
-            line += f"  {measured:8.3f} /{predicted}"
-        line += f"{m.rss_peak / mib:9.0f}"
-        if m.device_peak is not None:
-            line += f"{m.device_peak / mib:11.1f}"
-        if m.predicted:
-            line += f"   total {m.measured.total / m.predicted.total - 1:+.0%}"
+    """``--report-memory``, after the first step: ``memory.memory_table``."""
+    for line in memory_table(reports):
         print(line, flush=True)
 
 
@@ -151,8 +135,8 @@ def peak_memory_reporter(settings: RunSettings) -> Callable[[list], None]:
     def report(reports) -> None:
         print_peak_memory(reports)
         if settings.elastic_dir:
-            rank_hooks.append_event(
-                Path(settings.elastic_dir) / rank_hooks.EVENTS_FILE, "memory",
+            append_event(
+                Path(settings.elastic_dir) / EVENTS_FILE, "memory",
                 ranks=[{"rank": m.rank, "where": m.where, "measured": asdict(m.measured),
                         "predicted": asdict(m.predicted) if m.predicted else None,
                         "rss_peak": m.rss_peak} for m in reports])
@@ -174,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(RunConfig(recipe, layout, settings, on_step=printer, on_memory=print_memory,
                         on_peak_memory=peak_memory_reporter(settings),
-                        hooks=rank_hooks.from_settings(settings, dist.get_rank())))
+                        hooks=from_settings(settings, dist.get_rank())))
     finally:
         if printer:
             printer.close()

@@ -1,5 +1,6 @@
 """Measure what the planner's cost model needs on the machine at hand: the torchrun
-entry point of ``elastor profile`` (``python -m elastor_mcore.runtime.profile``).
+entry point of ``elastor profile`` (``python -m elastor_mcore.elastic.rank.measure``,
+started by ``elastic.profiling.measure`` with its flags, ``config.profile``).
 
 Everything is timed on the runtime's own stages (``train.setup_stage``: mcore's
 GPTModel under the rank's TP group, with the loop's optimizer), one stage at a time
@@ -34,7 +35,7 @@ as JSON (``--out``); ``planner.calibration`` turns them into a hardware profile
 profile under a multi-node launch, one torchrun agent per node)::
 
     torchrun --nnodes 2 --node-rank N --nproc-per-node 2 --rdzv-backend c10d \
-        --rdzv-endpoint HOST:PORT -m elastor_mcore.runtime.profile \
+        --rdzv-endpoint HOST:PORT -m elastor_mcore.elastic.rank.measure \
         --recipe R --tp-sizes 1 --out raw.json --hardware BASE --profile-out P.yaml
 """
 
@@ -54,17 +55,18 @@ import torch
 import torch.distributed as dist
 
 from elastor_mcore.compat.process import die_with_parent
+from elastor_mcore.config.profile import MeasureSettings
 from elastor_mcore.config.recipe import Recipe, load_recipe
+from elastor_mcore.elastic.rank.worker import init_distributed
 from elastor_mcore.parallel.groups import GroupCache, install
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
 from elastor_mcore.planner import load_hardware, write_hardware
-from elastor_mcore.planner.calibration import (DEFAULT_MAX_SPREAD, link_profile,
-                                               measured_profile, provenance, robust, unstable)
+from elastor_mcore.planner.calibration import (link_profile, measured_profile, provenance,
+                                               robust, unstable)
 from elastor_mcore.runtime.memory import SavedTensorMeter
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.runtime.schedule import run_1f1b
 from elastor_mcore.runtime.train import StageRunner, device_for_rank, setup_stage
-from elastor_mcore.runtime.worker import init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -479,42 +481,34 @@ def measure_links(recipe: Recipe, repeats: int, cache: GroupCache, device: torch
             "handoff": handoff[0] if handoff else None, "nodes": nodes}
 
 
-def write_profile(args: argparse.Namespace, recipe: Recipe, raw: dict, device: str) -> None:
+def write_profile(settings: MeasureSettings, recipe: Recipe, raw: dict, device: str) -> None:
     """``--hardware`` with what ``raw`` measured, to ``--profile-out``."""
-    base = load_hardware(args.hardware)
-    profile = (link_profile(base, raw) if args.links_only else measured_profile(
-        base, raw, recipe, provenance(args.recipe, device, args.repeats)))
+    base = load_hardware(settings.hardware)
+    profile = (link_profile(base, raw) if settings.links_only else measured_profile(
+        base, raw, recipe, provenance(settings.recipe, device, settings.repeats)))
     nodes = len(set(raw["nodes"]))
-    write_hardware(profile, args.profile_out,
-                   f"Measured by: python -m elastor_mcore.runtime.profile (world of "
-                   f"{raw['world']} ranks on {nodes} node(s)) on top of {args.hardware}"
-                   + ("; links only" if args.links_only else ""))
+    write_hardware(profile, settings.profile_out,
+                   f"Measured by: python -m elastor_mcore.elastic.rank.measure (world of "
+                   f"{raw['world']} ranks on {nodes} node(s)) on top of {settings.hardware}"
+                   + ("; links only" if settings.links_only else ""))
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="elastor_mcore.runtime.profile")
-    parser.add_argument("--recipe", required=True)
-    parser.add_argument("--tp-sizes", required=True, help="comma-separated TP degrees")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", required=True, help="JSON file for the raw figures")
-    parser.add_argument("--links-only", action="store_true",
-                        help="measure P2P and all-reduce only (no stages, no core sharing)")
-    parser.add_argument("--hardware", help="profile to start from, with --profile-out")
-    parser.add_argument("--profile-out", help="rank 0 also writes the hardware profile here")
-    parser.add_argument("--max-spread", type=float, default=DEFAULT_MAX_SPREAD,
-                        help="measure a kind of figure again while its median's 90%% "
-                             "confidence interval is wider than this fraction of it")
-    return parser.parse_args(argv)
+def parse_args(argv: list[str] | None) -> MeasureSettings:
+    parser = argparse.ArgumentParser(prog="elastor_mcore.elastic.rank.measure")
+    MeasureSettings.add_arguments(parser, "measure", {"tp_sizes": {"required": True}})
+    return MeasureSettings.from_args(parser.parse_args(argv), "measure")
 
 
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     die_with_parent()
-    args = parse_args(argv)
-    if args.profile_out and not args.hardware:
-        sys.exit("--profile-out needs --hardware (the profile to start from)")
-    recipe = load_recipe(args.recipe)
-    tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
+    settings = parse_args(argv)
+    try:
+        settings.check()
+    except ValueError as exc:
+        sys.exit(str(exc))
+    recipe = load_recipe(settings.recipe)
+    tp_sizes = list(settings.tp_sizes)
     init_distributed()
     rank = dist.get_rank()
 
@@ -527,9 +521,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = device_for_rank()
         started = time.perf_counter()
-        stages = ([] if args.links_only else measure_stages(
-            recipe, tp_sizes, args.repeats, cache, progress, args.max_spread))
-        links = measure_links(recipe, args.repeats, cache, device, args.max_spread, progress)
+        stages = ([] if settings.links_only else measure_stages(
+            recipe, tp_sizes, settings.repeats, cache, progress, settings.max_spread))
+        links = measure_links(recipe, settings.repeats, cache, device, settings.max_spread,
+                              progress)
         handoff = links["handoff"]
         progress(f"P2P and all-reduce measured ({len(links['p2p'])} + "
                  f"{len(links['p2p_inter_node'])} inter-node + {len(links['allreduce'])} "
@@ -537,26 +532,26 @@ def main(argv: list[str] | None = None) -> int:
                  + (f"; 1F1B hand-off {handoff['us']:.0f} us per micro-batch (spread "
                     f"{handoff['spread']:.0%})" if handoff else ""))
         parallel = None
-        if not args.links_only:
-            parallel = {"busy": measure_parallelism(recipe, args.repeats, cache,
-                                                    args.max_spread, progress)}
+        if not settings.links_only:
+            parallel = {"busy": measure_parallelism(recipe, settings.repeats, cache,
+                                                    settings.max_spread, progress)}
             progress("parallelism: ms per layer step with k slots busy: " + ", ".join(
                 f"{b['slots']}: {b['ms']:.2f} ({b['spread']:.0%})" for b in parallel["busy"]))
         if rank == 0:
             raw = {"stages": stages, **links, "parallelism": parallel,
                    "world": dist.get_world_size(), "seconds": time.perf_counter() - started,
-                   "max_spread": args.max_spread}
-            raw["unstable"] = unstable(raw, args.max_spread)
-            with open(args.out, "w") as f:
+                   "max_spread": settings.max_spread}
+            raw["unstable"] = unstable(raw, settings.max_spread)
+            with open(settings.raw_out, "w") as f:
                 json.dump(raw, f, indent=1)
-            if args.profile_out and raw["unstable"]:
-                print(f"elastor profile: not writing {args.profile_out}: repetitions "
-                      f"disagree by more than {args.max_spread:.0%} in "
+            if settings.profile_out and raw["unstable"]:
+                print(f"elastor profile: not writing {settings.profile_out}: repetitions "
+                      f"disagree by more than {settings.max_spread:.0%} in "
                       f"{'; '.join(raw['unstable'])}; measure again when the machine is "
                       f"quieter", file=sys.stderr)
                 code = 1
-            elif args.profile_out:
-                write_profile(args, recipe, raw, device.type)
+            elif settings.profile_out:
+                write_profile(settings, recipe, raw, device.type)
     finally:
         dist.destroy_process_group()
     return code

@@ -1,0 +1,106 @@
+"""The file protocol between the supervisor (or a node launcher) and the ranks it
+starts: the names of the files inside a launch directory, the event log and the
+heartbeat files, with how each side writes and reads them.
+
+A leaf: standard library only, importing nothing of ours, so the supervisor side of
+``elastic/`` (no torch) and the rank side (``elastic/rank/``, inside torchrun
+processes) share one definition. A hung collective leaves every process alive, so
+exit codes cannot reveal it; a heartbeat file per rank costs one small atomic write
+per step and needs no extra process or connection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+"""The event log's name inside a launch directory (ranks append: ready, first step,
+injected failure, memory)."""
+HEARTBEAT_DIR = "heartbeat"
+"""The heartbeat files' folder inside a launch directory (``slot<N>`` per rank)."""
+
+# A node directory of a multi-node job (``elastic.node``, ``elastic.rank.node_worker``):
+LAUNCHER_EVENTS = "launcher.jsonl"
+"""The node launcher's event log (the agent's lines, hang kills)."""
+ROUNDS_FILE = "rounds.jsonl"
+"""One record per rendezvous round the node took part in (members, plan)."""
+ROUNDS_DIR = "rounds"
+"""``rounds/<R>/``: a round's layout, rank events, heartbeats and metrics."""
+OUTCOME_FILE = "outcome.json"
+"""How the job ended, written by the node's local rank 0 for its launcher."""
+
+
+def append_event(path: str | os.PathLike, event: str, **fields: Any) -> None:
+    """Append one event, in one ``write`` (processes append to one log at once)."""
+    record = {"event": event, "time": time.time(), **fields}
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_events(path: str | os.PathLike, event: str | None = None) -> list[dict[str, Any]]:
+    """Every complete event in the file (optionally only those named ``event``)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a SIGKILL mid-write
+        if event is None or record.get("event") == event:
+            records.append(record)
+    return records
+
+
+@dataclass(frozen=True)
+class Beat:
+    slot: int
+    rank: int
+    pid: int
+    """The rank's process; also its process group (torchrun starts each worker in a
+    new session), so the supervisor can stop the rank's children too."""
+    step: int
+    """Steps done (1-based number of the last finished step; the resumed step at setup)."""
+    stepping: bool
+    """Whether the rank has finished a step since it started (short timeout applies)."""
+    time: float
+    """Wall-clock time of the beat (``time.time()``)."""
+
+
+class HeartbeatWriter:
+    """The rank side: one file, replaced atomically at each beat."""
+
+    def __init__(self, directory: str | os.PathLike, slot: int, rank: int) -> None:
+        self.path = Path(directory) / f"slot{slot}"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.slot, self.rank = slot, rank
+
+    def beat(self, step: int, stepping: bool) -> None:
+        beat = Beat(self.slot, self.rank, os.getpid(), step, stepping, time.time())
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(asdict(beat)))
+        os.replace(tmp, self.path)
+
+
+def read_beats(directory: str | os.PathLike) -> dict[int, Beat]:
+    """The supervisor side: the latest beat of every slot that has beaten, by slot."""
+    beats = {}
+    for path in Path(directory).glob("slot*"):
+        if path.suffix == ".tmp":
+            continue
+        try:
+            beat = Beat(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue  # replaced while we read it: the next poll sees the new one
+        beats[beat.slot] = beat
+    return beats
