@@ -25,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import pickle
 import random
 
 import numpy as np
 import pytest
 
+from elastor_mcore.checkpoint import comm
 from elastor_mcore.checkpoint.format import ChunkPolicy, choose_entry
 from elastor_mcore.checkpoint.plan import (
     assignments, build_plan, file_units, held_bytes, merge, plan_tensors, route)
@@ -245,3 +247,12 @@ def test_load_pieces_are_the_whole_job_cells(seed):
         assert set(held[reader].send_to) == away
         assert all(cache[r] != cache[reader] for r in away)
         assert all(cache[r] == cache[reader] for r in set(cell.holders) - away)
+
+
+def test_an_object_sent_to_every_rank_is_pickled_once():
+    """The coordinator of a load sends its step directory to every rank of the job:
+    one pickle, however many ranks (``comm.pickled``), each message still its own."""
+    step_dir, request = "/checkpoints/step_00000010", LoadRequest((), "node0")
+    messages = comm.pickled({**dict.fromkeys(range(1, 1000), step_dir), 0: request})
+    assert len({id(blob) for blob in messages.values()}) == 2
+    assert pickle.loads(messages[999]) == step_dir and pickle.loads(messages[0]) == request

@@ -2,8 +2,11 @@
 16,384 GPUs: the project's real planning code, no processes, no data.
 
     PYTHONPATH=. python tools/bench_scale.py [--models llama3-8b,llama3-70b,llama3-405b]
-        [--worlds 64,512,4096,16384] [--lost 1,8,64] [--samples 3] [--out FILE]
+        [--worlds 64,512,4096,16384] [--lost 1,8,64] [--samples 3]
+        [--only uniform,save,load,grad] [--out FILE]
     PYTHONPATH=. python tools/bench_scale.py --table FILE...   # markdown tables
+    PYTHONPATH=. python tools/bench_scale.py --table BEFORE AFTER --curve MODEL LOST
+    PYTHONPATH=. python tools/bench_scale.py --planner-table FILE...
 
 Each rank's state is what ``parallel.shards.layout_shard_infos`` derives from the
 layout and the recipe's shapes (the fp32 main weights and AdamW's two moments of the
@@ -49,6 +52,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from elastor_mcore.checkpoint import comm  # noqa: E402
 from elastor_mcore.checkpoint import plan as write_plan  # noqa: E402
 from elastor_mcore.checkpoint import reader  # noqa: E402
 from elastor_mcore.checkpoint.format import Manifest  # noqa: E402
@@ -176,12 +180,13 @@ def sample_ranks(ranks: list[int], n: int) -> list[int]:
 # --------------------------------------------------------------------------- layouts
 
 
-def scaled_recipe(recipe: Recipe, dp: int) -> Recipe:
-    """The recipe with a global batch of at least one micro-batch per pipeline."""
+def scaled_recipe(recipe: Recipe, dp: int, stages: int) -> Recipe:
+    """The recipe with a global batch of at least one micro-batch per stage of each
+    pipeline (1F1B's least; the planner refuses a pipeline with fewer)."""
     micro = recipe.training.total_micro_batches
-    if micro % dp == 0:
+    if micro % dp == 0 and micro // dp >= stages:
         return recipe
-    batch = -(-max(micro, dp) // dp) * dp * recipe.training.micro_batch_size
+    batch = -(-max(micro, dp * stages) // dp) * dp * recipe.training.micro_batch_size
     return dataclasses.replace(recipe, training=dataclasses.replace(
         recipe.training, global_batch_size=batch))
 
@@ -192,7 +197,7 @@ def uniform(recipe: Recipe, world: int) -> tuple[Recipe, Layout] | None:
     if world % per_pipeline:
         return None
     dp = world // per_pipeline
-    recipe = scaled_recipe(recipe, dp)
+    recipe = scaled_recipe(recipe, dp, len(stages))
     micro = recipe.training.total_micro_batches // dp
     # mcore's rank order: TP fastest, then DP, then PP
     layout = layout_from_dict({"pipelines": [
@@ -257,8 +262,7 @@ def exchange_to_owners(recipe: Recipe, layout: Layout, clock: RankClock,
     outbox: dict[int, dict[int, bytes]] = {}
     for rank in layout.ranks:
         infos = layout_shard_infos(recipe.model, layout, rank)
-        routed = clock.run(rank, lambda: {dest: pickle.dumps(m)
-                                          for dest, m in message(rank, infos).items()})
+        routed = clock.run(rank, lambda: comm.pickled(message(rank, infos)))
         for dest, blob in routed.items():
             outbox.setdefault(dest, {})[rank] = blob
     return outbox
@@ -287,8 +291,8 @@ def save_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
         mine, cells = clock.run(owner, lambda: write_plan.plan_tensors(
             {r: m for r, (_, m) in received.items()}, policy))
         entries.update(mine)
-        parts = clock.run(owner, lambda: {r: pickle.dumps(a) for r, a in assignments(
-            mine, cells, coordinator, {r: t for r, (t, _) in received.items()}).items()})
+        parts = clock.run(owner, lambda: comm.pickled(assignments(
+            mine, cells, coordinator, {r: t for r, (t, _) in received.items()})))
         owned[owner] = clock.run(owner, lambda: file_units(mine, cells))
         for rank, blob in parts.items():
             replies.setdefault(rank, {})[owner] = blob
@@ -339,8 +343,8 @@ def load_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
     replies: dict[int, dict[int, bytes]] = {}
     for owner, inbox in outbox.items():
         received = receive(clock, owner, inbox)
-        pieces = clock.run(owner, lambda: {r: pickle.dumps(p) for r, p in reader.plan_reads(
-            {r: q for r, q in received.items() if isinstance(q, LoadRequest)}).items()})
+        pieces = clock.run(owner, lambda: comm.pickled(reader.plan_reads(
+            {r: q for r, q in received.items() if isinstance(q, LoadRequest)})))
         for rank, blob in pieces.items():
             replies.setdefault(rank, {})[owner] = blob
     del outbox
@@ -390,7 +394,7 @@ def planner_case(recipe: Recipe, world: int, lost: list[int]) -> tuple[dict, Lay
         seconds, result = cpu(lambda: plan(recipe, hardware, alive))
     except PlannerError as exc:
         return {"error": str(exc)}, None
-    return {"cpu_s": seconds, "gpus_used": result.layout.num_gpus,
+    return {"cpu_s": seconds, "gpus_used": result.layout.num_gpus, "step_s": result.step_s,
             "pipelines": len(result.layout.pipelines), "uniform": result.layout.is_uniform,
             "layout": result.layout.describe()[:120]}, result.layout
 
@@ -413,10 +417,10 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
             recipe, layout = built
             row: dict[str, Any] = {"model": name, "world": world,
                                    "uniform": layout.describe()[:80]}
-            if "save" in only:
+            if {"uniform", "save"} <= only:
                 row["save_uniform"] = save_case(recipe, layout, samples)
                 report(name, world, "save uniform", row["save_uniform"])
-            if "grad" in only:
+            if {"uniform", "grad"} <= only:
                 row["grad_uniform"] = grad_case(recipe, layout, samples)
                 report(name, world, "grad uniform", row["grad_uniform"])
             for k in lost:
@@ -495,21 +499,82 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def planner_markdown(rows: list[dict]) -> str:
+    """The planner's search per model, world and failure: its CPU time, the GPUs its
+    layout uses and the step the cost model predicts for it."""
+    out = ["| model | GPUs | lost | planner s | GPUs used | pipelines | predicted step s |",
+           "| " + " | ".join(["---"] * 7) + " |"]
+    for row in rows:
+        for failure in row.get("failures", []):
+            planner = failure["planner"]
+            cells = [row["model"], f"{row['world']:,}", str(failure["lost"])]
+            cells += ([f"{planner['cpu_s']:.3f}", f"{planner['gpus_used']:,}",
+                       str(planner["pipelines"]),
+                       f"{planner['step_s']:.2f}" if "step_s" in planner else ""]
+                      if "cpu_s" in planner else ["no layout", "", "", ""])
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def curve_markdown(model: str, lost: int, runs: dict[str, list[dict]]) -> str:
+    """Per-rank plan CPU and bytes of ``model``'s save and load after losing ``lost``
+    GPUs, per world, for each run (``runs``: a label and its rows), and each figure's
+    growth from the smallest world to the largest that both have."""
+    header = ["GPUs"] + [f"{label} {what}" for label in runs
+                         for what in ("save CPU s", "save MB", "load CPU s", "load MB")]
+    figures: dict[int, list[float | None]] = {}
+    for i, rows in enumerate(runs.values()):
+        for row in rows:
+            if row["model"] != model:
+                continue
+            case = next((f for f in row.get("failures", []) if f["lost"] == lost), {})
+            cells = figures.setdefault(row["world"], [None] * 4 * len(runs))
+            for j, kind in enumerate(("save", "load")):
+                if kind in case:
+                    cells[4 * i + 2 * j] = case[kind]["plan_cpu_s_max"]
+                    cells[4 * i + 2 * j + 1] = case[kind]["max_exchanged_bytes"] / 1e6
+    worlds = sorted(w for w, cells in figures.items() if any(c is not None for c in cells))
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] * len(header)) + " |"]
+    for world in worlds:
+        out.append("| " + " | ".join([f"{world:,}"] + [
+            "" if c is None else f"{c:.3f}" if k % 2 == 0 else f"{c:.2f}"
+            for k, c in enumerate(figures[world])]) + " |")
+    if len(worlds) > 1:
+        first, last = figures[worlds[0]], figures[worlds[-1]]
+        out.append("| " + " | ".join([f"growth {worlds[0]:,} -> {worlds[-1]:,}"] + [
+            "" if a is None or b is None else f"{b / a:.1f}x" for a, b in zip(first, last)])
+            + " |")
+    return "\n".join(out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="llama3-8b,llama3-70b,llama3-405b")
     parser.add_argument("--worlds", default="64,512,4096,16384")
     parser.add_argument("--lost", default="1,8,64")
     parser.add_argument("--samples", type=int, default=3)
-    parser.add_argument("--only", default="save,load,grad",
-                        help="which plans to run (the planner always runs)")
+    parser.add_argument("--only", default="uniform,save,load,grad",
+                        help="which plans to run (the planner always runs): the save, "
+                             "load and grad cases of each failure layout, and with "
+                             "'uniform' the uniform layout's save and grad")
     parser.add_argument("--out", default="bench_scale.json")
     parser.add_argument("--table", nargs="+", metavar="JSON",
                         help="print the tables of earlier runs' JSON files and exit")
+    parser.add_argument("--planner-table", nargs="+", metavar="JSON",
+                        help="print the planner's table of earlier runs and exit")
+    parser.add_argument("--curve", nargs=2, metavar=("MODEL", "LOST"),
+                        help="with --table: MODEL's save and load after LOST lost GPUs "
+                             "per world, a column group per JSON file, and the growth")
     args = parser.parse_args()
+    if args.planner_table:
+        print(planner_markdown([r for path in args.planner_table
+                                for r in json.loads(Path(path).read_text())["rows"]]))
+        return 0
     if args.table:
-        print(markdown([r for path in args.table
-                        for r in json.loads(Path(path).read_text())["rows"]]))
+        runs = {Path(path).stem: json.loads(Path(path).read_text())["rows"]
+                for path in args.table}
+        print(curve_markdown(args.curve[0], int(args.curve[1]), runs) if args.curve
+              else markdown([r for rows in runs.values() for r in rows]))
         return 0
     gc.disable()
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],

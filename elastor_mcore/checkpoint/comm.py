@@ -67,6 +67,19 @@ def check(messages: list[str | None], what: str, cause: BaseException | None = N
                               + " | ".join(failures)) from cause
 
 
+def pickled(outgoing: dict[int, Any]) -> dict[int, bytes]:
+    """Each message of ``outgoing`` pickled, and an object sent to many ranks (the
+    coordinator's step directory, to every rank of a load) only once: the sender's
+    work follows the objects it sends, not the ranks it sends them to."""
+    done: dict[int, bytes] = {}
+    out = {}
+    for rank, message in outgoing.items():
+        if id(message) not in done:
+            done[id(message)] = pickle.dumps(message)
+        out[rank] = done[id(message)]
+    return out
+
+
 @dataclass(frozen=True)
 class Failed:
     """What a failed rank sends every rank in an ``exchange`` instead of its message."""
@@ -158,8 +171,8 @@ class Comm:
         import torch.distributed as dist
 
         device = self._device()
-        blobs = [b"" if r == self.rank or r not in outgoing else pickle.dumps(outgoing[r])
-                 for r in self.ranks]
+        messages = pickled({r: m for r, m in outgoing.items() if r != self.rank})
+        blobs = [messages.get(r, b"") for r in self.ranks]
         send_sizes = [len(b) for b in blobs]
         sizes = torch.tensor(send_sizes, dtype=torch.int64, device=device)
         receive_sizes = torch.empty_like(sizes)
