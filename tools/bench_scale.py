@@ -479,7 +479,7 @@ def markdown(rows: list[dict]) -> str:
             if "skipped" in row:
                 out.append(f"| {row['world']:,} | {row['skipped']} |" + " |" * 11)
                 continue
-            cases = [("uniform", row.get("save_uniform"), None, None)]
+            cases = [("uniform", row["save_uniform"], None, None)] if "save_uniform" in row else []
             cases += [(f"lost {f['lost']}", f.get("save"), f.get("load"), f["planner"])
                       for f in row.get("failures", [])]
             for name, save, load, planner in cases:
