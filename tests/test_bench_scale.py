@@ -66,3 +66,9 @@ def test_bench_scale_runs(tmp_path):
     assert failure["planner"]["gpus_used"] <= 63
     assert failure["load"]["job_wide_steps"] == 2
     assert save["max_exchanged_bytes"] > 0 and save["manifest_bytes"] > 0
+    tables = {flag: subprocess.run(
+        [sys.executable, str(REPO / "tools/bench_scale.py"), *flag.split(), str(out)],
+        check=True, cwd=REPO, capture_output=True, text=True).stdout
+        for flag in ("--table", "--planner-table")}
+    assert f"| 64 | lost 1 | {failure['save']['ranks']} | " in tables["--table"]
+    assert f"| llama3-8b | 64 | 1 | {failure['planner']['cpu_s']:.3f} | " in tables["--planner-table"]
