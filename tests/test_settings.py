@@ -27,7 +27,8 @@ RUN = RunSettings(recipe="r.yaml", layout="l.yaml", steps=7, seed=3, metrics_out
                                      on_error="continue"),
                   load_dir="load", report_memory=True, allow_data_change=True, data=DATA,
                   failure_plan="plan.yaml", hardware="hw.yaml", elastic_dir="launch0",
-                  rank_slots=(0, 2, 5), memory_interval=3)
+                  rank_slots=(0, 2, 5), memory_interval=3, recovery="relaunch",
+                  replan_all_slots=True)
 ROUND = RoundSettings(node_name="a", node_dir="run/nodes/a/0", store_endpoint="h:29500",
                       job_id="job", devices="cuda", probe_timeout=12.5, health_file="dead.yaml",
                       use_all_slots=True)

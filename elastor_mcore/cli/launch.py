@@ -95,7 +95,8 @@ class StepPrinter:
         self.first.add(launch.index)
         if first or m["step"] % self.every == 0 or m["step"] == self.steps:
             print(f"{self.prefix}:   step {m['step']:4d}/{self.steps}  loss {m['loss']:.6f}  "
-                  f"{m['time_s']:.2f}s/step  on {len(launch.slots)} slots", flush=True)
+                  f"{m['time_s']:.2f}s/step  on {len(launch.current_slots())} slots",
+                  flush=True)
 
 
 def print_summary(outcome: Outcome, prefix: str) -> None:

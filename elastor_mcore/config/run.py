@@ -109,6 +109,16 @@ class RunSettings(Flags):
         metavar="K"))
     """The in-memory tier (``runtime.memory_tier``); the zarr tier keeps
     ``save_interval``."""
+    recovery: Literal["in-place", "relaunch"] = field(default="in-place", metadata=setting(
+        "after a failure the survivors re-plan and continue in the same processes from "
+        "the state in memory (in-place), falling back to a relaunch from the durable "
+        "checkpoint if that fails; or always relaunch (default: %(default)s)",
+        ("launch", "demo", "worker")))
+    """How the supervisor recovers (``elastic.inplace``; one host)."""
+    replan_all_slots: bool = field(default=False, metadata=setting(
+        "set by elastor launch: a recovery in place plans layouts that keep every "
+        "surviving slot busy", ("worker",), negatable=False))
+    """``LaunchSettings.use_all_slots``, for the ranks' own planning."""
     elastic_dir: str | None = field(default=None, metadata=setting(
         "set by elastor launch: heartbeats and events of this launch", ("worker",)))
     rank_slots: tuple[int, ...] | None = field(default=None, metadata=setting(

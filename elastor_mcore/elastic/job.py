@@ -37,6 +37,9 @@ class Workload:
 
     module: str
     node_module: str
+    in_place: bool = False
+    """Whether its ranks recover in place (``elastic.inplace``); else every failure
+    relaunches."""
 
     def launch_command(self, settings: RunSettings) -> RankCommand:
         """One launch on one host."""
@@ -48,7 +51,8 @@ class Workload:
                            [*settings.to_argv("worker"), *node.to_argv("node-worker")])
 
 
-TRAINER = Workload("elastor_mcore.elastic.rank.worker", "elastor_mcore.elastic.rank.node_worker")
+TRAINER = Workload("elastor_mcore.elastic.rank.worker", "elastor_mcore.elastic.rank.node_worker",
+                   in_place=True)
 """The project's trainer (``runtime.train`` under ``elastic.rank``'s entry points)."""
 
 

@@ -44,11 +44,11 @@ import psutil
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
-from elastor_mcore.elastic import probe, profiling
+from elastor_mcore.elastic import inplace, probe, profiling
 from elastor_mcore.elastic.job import JobConfig
 from elastor_mcore.elastic.protocol import HEARTBEAT_DIR, read_beats
 from elastor_mcore.elastic.report import launch_step_s
-from elastor_mcore.elastic.timeline import LaunchRecord, write_json
+from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, write_json
 from elastor_mcore.elastic.torchrun import (forwarding_stop_signals, start_torchrun,
                                             torchrun_command)
 from elastor_mcore.parallel.layout import Layout, layout_from_dict
@@ -146,6 +146,9 @@ class Supervisor:
         self.hardware = config.hardware
         """The profile the planner uses (chosen at the start of ``run``)."""
         self.profile_path: Path = config.hardware_path
+        self.in_place = config.settings.recovery == "in-place" and config.workload.in_place
+        """Failures are recovered from in place (``elastic.inplace``), a relaunch only
+        when that fails."""
 
     # ----- the loop ------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -182,7 +185,7 @@ class Supervisor:
                                    self.launches, stopped_by=record.stopped_by)
                 if record.outcome == "finished":
                     return self._finish(True, f"finished {cfg.settings.steps} steps after "
-                                              f"{len(self.launches) - 1} recoveries")
+                                              f"{len(recoveries(self.launches))} recoveries")
                 restarts = len(self.launches) - 1
                 if restarts >= cfg.launch.max_restarts:
                     return self._finish(False, f"gave up: launch {record.index} failed "
@@ -257,7 +260,10 @@ class Supervisor:
         rank = cfg.workload.launch_command(replace(
             cfg.settings, layout=str(out / "layout.yaml"), metrics_out=str(out / "metrics.jsonl"),
             save_dir=str(cfg.checkpoint_dir), load_dir=resume, elastic_dir=str(out),
-            rank_slots=slots, hardware=str(self.profile_path)))
+            rank_slots=slots, hardware=str(self.profile_path),
+            replan_all_slots=cfg.launch.use_all_slots))
+        if self.in_place:
+            rank = inplace.rank_command(rank)
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} \
             if cfg.launch.devices == "cuda" else None
         with open(out / "torchrun.log", "w") as log_file:
@@ -275,6 +281,13 @@ class Supervisor:
         cfg = self.config
         metrics = Path(record.dir) / "metrics.jsonl"
         seen = 0
+        watch = inplace.InPlaceWatch(record, cfg.settings.steps, self.on_message) \
+            if self.in_place else None
+
+        def silent_of(slots: list[int], beats) -> list[int]:
+            return cfg.hang.silent_slots(slots, beats, record.launched_at, time.time(),
+                                         cfg.settings.steps)
+
         while True:
             code = proc.poll()
             seen = self._forward_steps(record, metrics, seen)
@@ -286,13 +299,15 @@ class Supervisor:
                 record.outcome = "finished" if code == 0 else "exit"
                 break
             beats = read_beats(self._heartbeats(record))
+            if watch:  # failures the survivors recover from in place
+                beats = watch.absorb(beats, lambda b: silent_of(watch.slots, b),
+                                     process_running)
             died = [b.slot for b in beats.values()
                     if b.step < cfg.settings.steps and not process_running(b.pid)]
             if died:  # faster than waiting for torchrun to notice and tear down
                 record.outcome, record.died_slots = "exit", died
                 break
-            silent = cfg.hang.silent_slots(record.slots, beats, record.launched_at, time.time(),
-                                           cfg.settings.steps)
+            silent = silent_of(watch.slots if watch else record.slots, beats)
             if silent:
                 record.outcome, record.silent_slots = "hang", silent
                 break

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from elastor_mcore import checkpoint, planner
 from elastor_mcore.runtime.state import (
     check_lr_schedule, check_resumable, chunk_policy, data_fields, describe_load,
-    ensure_optimizer_state, manifest_fields, restore_non_tensor_state, state_shards)
+    ensure_optimizer_state, manifest_fields, restore_non_tensor_state, set_position,
+    state_shards)
 from elastor_mcore.config.data import DataConfig
 from elastor_mcore.config.run import RunSettings
 from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_sample_indices,
@@ -37,7 +38,8 @@ from elastor_mcore.planner.cost_model import MemoryBreakdown
 from elastor_mcore.runtime.memory import RankMemory, SavedTensorMeter
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.parallel.layout import Layout
-from elastor_mcore.runtime.hooks import StepHooks
+from elastor_mcore.runtime import reshard
+from elastor_mcore.runtime.hooks import Recovery, StepHooks
 from elastor_mcore.runtime.memory_tier import MemoryTier
 from elastor_mcore.runtime.model import build_stage_model, initialize_weights
 from elastor_mcore.runtime.optimizer import StageOptimizer
@@ -90,6 +92,8 @@ class RunConfig:
     hooks: StepHooks = field(default_factory=StepHooks)
     """Callbacks on every active rank (under the supervisor: heartbeats, events,
     injected failures)."""
+    recovery: Recovery | None = None
+    """Recovery in place (under the supervisor); None: a failed step ends the run."""
     on_memory: Callable[[list[OptimizerMemory]], None] | None = None
     """With ``settings.report_memory``: called on the reporting rank before the first
     step with every active rank's optimizer state."""
@@ -362,7 +366,7 @@ def peak_memory(runner: StageRunner, settings: RunSettings, activations_peak: in
 @dataclass
 class Session:
     """What the loop runs one layout with: the stage, its data, its saves and its
-    in-memory tier."""
+    in-memory tier; a recovery in place replaces it."""
 
     cfg: RunConfig
     runner: StageRunner
@@ -371,6 +375,8 @@ class Session:
     tier: MemoryTier | None
     start: int
     """Steps done when the session began."""
+    current: int = 0
+    """The step running (1-based)."""
 
     @property
     def reporter(self) -> bool:
@@ -434,6 +440,7 @@ def run_steps(session: Session, metrics: list[StepMetrics]) -> None:
     due. Each step counts as done (``hooks.step_end``) once its copy is in memory."""
     cfg, runner, saver, tier = session.cfg, session.runner, session.saver, session.tier
     for step in range(session.start, cfg.settings.steps):
+        session.current = step + 1
         if tier:
             tier.wait()
         cfg.hooks.step_start(step + 1)
@@ -466,11 +473,54 @@ def run_steps(session: Session, metrics: list[StepMetrics]) -> None:
 
 def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
     """Set up this rank for ``cfg.layout``, resume if asked, train until step
-    ``cfg.settings.steps`` and save every ``cfg.settings.save_interval`` steps."""
+    ``cfg.settings.steps`` and save every ``cfg.settings.save_interval`` steps. With a
+    ``cfg.recovery``, a step that fails because a peer is gone is recovered from in
+    place (``recover_in_place``)."""
     session = begin(cfg, cache or GroupCache())
-    if session is None:
-        return []
     metrics: list[StepMetrics] = []
-    run_steps(session, metrics)
-    session.close()
+    while session is not None:
+        try:
+            run_steps(session, metrics)
+        except RuntimeError as exc:  # gloo's errors when a peer is gone; DistError
+            if session.cfg.recovery is None or isinstance(exc, checkpoint.CheckpointError):
+                raise
+            session = recover_in_place(session, exc)
+            continue
+        session.close()
+        break
     return metrics
+
+
+def recover_in_place(session: Session, error: BaseException) -> Session | None:
+    """After a failed step: regroup with the survivors (``cfg.recovery``; its error if it
+    gives up), build the new layout's stage in this process, restore the newest state
+    the survivors' memory (and the durable checkpoint) holds, and continue from there;
+    None if the new layout leaves this rank out (after it handed its copies on)."""
+    cfg = session.cfg
+    cfg.hooks.recovering(session.current)
+    session.source.close()
+    regroup = cfg.recovery.regroup(error, session.current)  # leaves the broken groups first
+    copies = session.tier.abandon() if session.tier else []
+    if regroup is None:
+        return None
+    began = time.perf_counter()
+    cfg = replace(cfg, layout=regroup.layout, settings=replace(
+        cfg.settings, rank_slots=regroup.rank_slots, load_dir=None))
+    runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, GroupCache(), initialize=False)
+    tier = memory_tier(runner, cfg)
+    built = time.perf_counter()
+    targets = state_shards(runner.model, runner.optimizer) if runner is not None else []
+    restored = reshard.restore(targets, copies, cfg.settings.save_dir)
+    if runner is None:  # idle in the new layout: its copies are handed on
+        return None
+    set_position(runner.optimizer, restored.step, restored.schedule)
+    runner.optimizer.copy_main_to_model()
+    restored_at = time.perf_counter()
+    new = Session(cfg, runner, open_sample_source(runner, cfg, restored.step),
+                  checkpoint_manager(runner, cfg) if cfg.settings.save_dir else None,
+                  tier, restored.step)
+    snapshot(new, restored.step)
+    cfg.recovery.resumed(regroup, restored.step,
+                         {"build": built - began, "restore": restored_at - built},
+                         restored.received_bytes, restored.durable_cells)
+    return new
