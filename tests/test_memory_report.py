@@ -118,7 +118,7 @@ def memory_rows(stdout: str) -> dict[int, dict[str, tuple[float, float]]]:
 def test_every_rank_of_the_faster_layout_fits_its_slot_as_predicted(case, tmp_path):
     layout_path = tmp_path / "layout.yaml"
     layout_path.write_text(case.sharded.layout.to_yaml())
-    result = run_world(SLOTS, "elastor_mcore.runtime.worker",
+    result = run_world(SLOTS, "elastor_mcore.elastic.rank.worker",
                        ["--recipe", str(case.recipe_path), "--layout", str(layout_path),
                         "--steps", "2", "--report-memory",
                         "--hardware", str(case.hardware_path)], timeout=540)
