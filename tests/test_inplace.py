@@ -5,9 +5,9 @@ same processes and restore the state of the last step from memory (their own cop
 and the lost ranks' replicas), so no step is redone, and every step's loss and the
 final weights equal an uninterrupted run's. A fault injected inside the recovery
 (``ELASTOR_IN_PLACE_FAULT``) ends the launch and the supervisor relaunches from the
-durable checkpoint. Without a world: the keeper's exit codes, the socket shutdown that
+durable checkpoint. Without a world: the socket shutdown that
 fails a peer's pending collective, and the supervisor's bookkeeping of failures
-absorbed in place.
+absorbed in place (the keeper: ``test_prestart.py``).
 """
 
 import json
@@ -24,7 +24,6 @@ import pytest
 from elastor_mcore import checkpoint
 from elastor_mcore.elastic.inplace import InPlaceWatch
 from elastor_mcore.elastic.protocol import EVENTS_FILE, Beat, append_event
-from elastor_mcore.elastic.rank.keeper import exit_code
 from elastor_mcore.elastic.report import read_metrics
 from elastor_mcore.elastic.timeline import LaunchRecord
 from elastor_mcore.parallel.teardown import shut_connections
@@ -118,30 +117,6 @@ def test_a_failure_inside_the_recovery_falls_back_to_a_relaunch(tmp_path, refere
 
 
 # ----- without a world --------------------------------------------------------------
-
-def child_status(code: int | None = None, sig: int | None = None) -> int:
-    """A real wait status: a child that exits with ``code`` or dies by ``sig``."""
-    pid = os.fork()
-    if pid == 0:
-        if sig is not None:
-            os.kill(os.getpid(), sig)
-        os._exit(code or 0)
-    return os.waitpid(pid, 0)[1]
-
-
-def test_keeper_hides_a_rank_killed_but_not_one_that_failed():
-    assert exit_code(child_status(0)) == 0
-    assert exit_code(child_status(sig=signal.SIGKILL)) == 0  # the survivors recover
-    assert exit_code(child_status(3)) == 3  # an error: torchrun stops the launch
-
-
-def test_keeper_runs_the_module_and_passes_its_code_on(tmp_path):
-    (tmp_path / "exits.py").write_text("import sys; print('ran', sys.argv[1:]); sys.exit(5)")
-    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    result = subprocess.run([sys.executable, "-m", "elastor_mcore.elastic.rank.keeper", "exits",
-                             "a", "b"], env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 5 and "ran ['a', 'b']" in result.stdout
-
 
 ECHO = """
 import socket, sys

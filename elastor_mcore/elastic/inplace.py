@@ -2,8 +2,8 @@
 one host): a failed rank does not end the launch; the survivors re-plan and continue
 in their processes (``elastic/rank/inplace.py``), and the supervisor only watches.
 
-- Each rank runs under a keeper (``elastic/rank/keeper.py``), so torchrun does not stop
-  the launch when one rank dies (``rank_command``).
+- Each rank runs under a keeper (``elastic/rank/keeper.py``) with ``--in-place``, so
+  torchrun does not stop the launch when one rank dies (``prestart.keeper_command``).
 - A rank process gone is absorbed: the survivors find out by themselves (their
   collectives with it fail) and recover; the supervisor stops counting the slot.
 - A silent rank into which the failure plan injected a hang is killed (SIGKILL), and
@@ -27,19 +27,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from elastor_mcore.elastic.job import RankCommand
 from elastor_mcore.elastic.protocol import EVENTS_FILE, Beat, append_event
 from elastor_mcore.elastic.timeline import LaunchRecord
 
 log = logging.getLogger(__name__)
-
-KEEPER = "elastor_mcore.elastic.rank.keeper"
-
-
-def rank_command(rank: RankCommand) -> RankCommand:
-    """``rank`` under a keeper (see the module docstring)."""
-    return RankCommand(KEEPER, [rank.module, *rank.args])
-
 
 class InPlaceWatch:
     """The failures of one launch that its ranks recover from in place."""

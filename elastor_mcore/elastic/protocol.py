@@ -1,6 +1,7 @@
 """The file protocol between the supervisor (or a node launcher) and the ranks it
 starts: the names of the files inside a launch directory, the event log and the
-heartbeat files, with how each side writes and reads them.
+heartbeat files, with how each side writes and reads them, and the environment
+variable that points ranks to a pre-imported worker.
 
 A leaf: standard library only, importing nothing of ours, so the supervisor side of
 ``elastic/`` (no torch) and the rank side (``elastic/rank/``, inside torchrun
@@ -23,6 +24,10 @@ EVENTS_FILE = "events.jsonl"
 injected failure, memory)."""
 HEARTBEAT_DIR = "heartbeat"
 """The heartbeat files' folder inside a launch directory (``slot<N>`` per rank)."""
+
+ZYGOTE_ENV = "ELASTOR_ZYGOTE"
+"""The environment variable naming a pre-imported worker's socket, which the rank's
+keeper asks to fork the rank (``elastic.prestart``, ``elastic.rank.zygote``)."""
 
 # A node directory of a multi-node job (``elastic.node``, ``elastic.rank.node_worker``):
 LAUNCHER_EVENTS = "launcher.jsonl"

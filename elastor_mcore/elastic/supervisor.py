@@ -18,6 +18,7 @@ Run directory::
     launch<K>/              layout.yaml (torchrun ranks), plan.json (physical slots),
                             metrics.jsonl, torchrun.log, events.jsonl, heartbeat/
     timeline.json           launches and recoveries (``timeline``)
+    zygote.log              the pre-imported worker's output (``elastic.prestart``)
 
 The planner plans with a profile measured on this machine for the recipe when one
 exists (the cached one above, or ``--hardware`` itself), measures one first when
@@ -44,7 +45,7 @@ import psutil
 from elastor_mcore import planner
 from elastor_mcore.checkpoint import latest_step
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
-from elastor_mcore.elastic import inplace, probe, profiling
+from elastor_mcore.elastic import inplace, prestart, probe, profiling
 from elastor_mcore.elastic.job import JobConfig
 from elastor_mcore.elastic.protocol import HEARTBEAT_DIR, read_beats
 from elastor_mcore.elastic.report import launch_step_s
@@ -146,6 +147,8 @@ class Supervisor:
         self.hardware = config.hardware
         """The profile the planner uses (chosen at the start of ``run``)."""
         self.profile_path: Path = config.hardware_path
+        self.prestart_env: dict[str, str] = {}
+        """Points the keepers to the pre-imported worker (``elastic.prestart``)."""
         self.in_place = config.settings.recovery == "in-place" and config.workload.in_place
         """Failures are recovered from in place (``elastic.inplace``), a relaunch only
         when that fails."""
@@ -157,7 +160,9 @@ class Supervisor:
         job holds it)."""
         cfg = self.config
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        with CheckpointLease(cfg.checkpoint_dir, new_job_id()):
+        with CheckpointLease(cfg.checkpoint_dir, new_job_id()), prestart.prestarted(
+                cfg.launch.zygote and cfg.workload.in_place,
+                cfg.run_dir / "zygote.log") as self.prestart_env:
             self._choose_profile()
             return self._run()
 
@@ -262,10 +267,11 @@ class Supervisor:
             save_dir=str(cfg.checkpoint_dir), load_dir=resume, elastic_dir=str(out),
             rank_slots=slots, hardware=str(self.profile_path),
             replan_all_slots=cfg.launch.use_all_slots))
-        if self.in_place:
-            rank = inplace.rank_command(rank)
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} \
-            if cfg.launch.devices == "cuda" else None
+        if cfg.workload.in_place:  # under a keeper, from the pre-imported worker
+            rank = prestart.keeper_command(rank, self.in_place)
+        env = dict(self.prestart_env)
+        if cfg.launch.devices == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         with open(out / "torchrun.log", "w") as log_file:
             record.launched_at = time.time()
             return start_torchrun(torchrun_command(len(slots), rank.module, rank.args), env=env,
