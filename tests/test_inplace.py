@@ -3,7 +3,8 @@
 launch: the survivors leave their broken groups, agree on a layout, rebuild it in the
 same processes and restore the state of the last step from memory (their own copies
 and the lost ranks' replicas), so no step is redone, and every step's loss and the
-final weights equal an uninterrupted run's. A fault injected inside the recovery
+final weights equal an uninterrupted run's, and the demo's report shows each layout
+and the recoveries' phases. A fault injected inside the recovery
 (``ELASTOR_IN_PLACE_FAULT``) ends the launch and the supervisor relaunches from the
 durable checkpoint. Without a world: the socket shutdown that
 fails a peer's pending collective, and the supervisor's bookkeeping of failures
@@ -24,7 +25,7 @@ import pytest
 from elastor_mcore import checkpoint
 from elastor_mcore.elastic.inplace import InPlaceWatch
 from elastor_mcore.elastic.protocol import EVENTS_FILE, Beat, append_event
-from elastor_mcore.elastic.report import read_metrics
+from elastor_mcore.elastic.report import read_metrics, segments, write_report
 from elastor_mcore.elastic.timeline import LaunchRecord
 from elastor_mcore.parallel.teardown import shut_connections
 from tests.test_elastic import (CPU_SLOTS, HANG, HEARTBEAT_TIMEOUT_S, KILL, STEPS, TOLERANCE,
@@ -85,6 +86,25 @@ def test_every_step_once_and_equal_to_the_uninterrupted_run(recovered, reference
     assert got.manifest.step == want.manifest.step == STEPS
     for info in want.tensors():
         assert relative(got.read(info.name), want.read(info.name)) <= TOLERANCE, info.name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_report_shows_each_layout_and_the_in_place_timeline(recovered, reference,
+                                                                tmp_path):
+    run_dir, timeline, _ = recovered
+    launches = [LaunchRecord(**l) for l in timeline["launches"]]
+    layouts = segments(launches)
+    assert [s.slots for s in layouts] == [[0, 1, 2, 3], [0, 2, 3], [0, 2]]
+    assert [[m["step"] for m in s.metrics] for s in layouts] == \
+        [[1, 2, 3], [4, 5, 6], [7, 8]]
+    expected, _ = reference
+    worst = write_report(tmp_path, "t", "c", {}, launches, expected,
+                         ["diagram"] * len(layouts), 4, "summary")
+    report = (tmp_path / "report.md").read_text()
+    assert worst <= TOLERANCE
+    assert "### Launch 0, in place 2: 2 slots, steps 7-8" in report
+    assert "| failure (in place)" in report and "failure (relaunch)" not in report
 
 
 @pytest.mark.slow

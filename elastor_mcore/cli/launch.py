@@ -22,6 +22,7 @@ from elastor_mcore.data.errors import DataError
 from elastor_mcore.elastic import node_timeline
 from elastor_mcore.elastic.node import NodeConfig, NodeLauncher
 from elastor_mcore.elastic.supervisor import Outcome, Supervisor, SupervisorConfig
+from elastor_mcore.elastic.report import segments
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from elastor_mcore.planner import HardwareError, load_hardware
 
@@ -104,9 +105,9 @@ def print_summary(outcome: Outcome, prefix: str) -> None:
     if items:
         print(f"{prefix}: recovery timeline (seconds)")
         print(table(items))
-    layouts = " -> ".join(f"{len(l.slots)}" for l in outcome.launches)
+    layouts = " -> ".join(f"{len(l.slots)}" for l in segments(outcome.launches))
     print(f"{prefix}: {'finished' if outcome.finished else 'FAILED'}: {outcome.reason}; "
-          f"slots per launch: {layouts}", flush=True)
+          f"slots per layout: {layouts}", flush=True)
 
 
 def build_node_config(args: argparse.Namespace, nodes: NodeSettings) -> NodeConfig:

@@ -136,7 +136,7 @@ def in_place(launch: LaunchRecord, epoch: int) -> Recovery:
     first = injected[0] if injected else None
     caught = min(e["caught"] for e in launch.events("regroup", epoch))
     start = first["time"] if first else caught
-    killed = [e for e in launch.events("hang_killed") if e["time"] >= start]
+    killed = [e for e in launch.events("hang_killed") if start <= e["time"] <= caught]
     detected_by = (f"heartbeat silent {killed[0]['silent_s']:.1f}s (slot "
                    f"{killed[0]['slot']} killed)" if killed else
                    "collectives with the lost ranks failed")
