@@ -30,7 +30,7 @@ setup(
     ],
     extras_require={
         "test": [
-            "pytest", "pytest-timeout",
+            "pytest", "pytest-timeout", "pytest-xdist",
             # Megatron-LM's training code (the real pretrain_gpt.py tests) imports six and
             # triton, both of which come with CUDA torch but not with the CPU wheel.
             "six", "triton; platform_system == 'Linux' and platform_machine == 'x86_64'",

@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,34 @@ TINY = REPO / "recipes" / "tiny-llama.yaml"
 THIRD_PARTY = REPO.parent / "shared" / "third_party"
 """Unmodified Megatron-LM archives (see its README.md); absent outside this workspace."""
 MEGATRON_LM_ENV = "MEGATRON_LM_DIR"
+
+
+SHARED_WORLDS = ("train_world", "mcore_world", "single_process_reference")
+"""Session fixtures whose world several test modules share."""
+
+
+def pytest_configure(config):
+    """Draw ``test_random_layouts``' base seed once, in the controlling process: every
+    pytest-xdist worker collects the suite itself and inherits this environment, and
+    the workers must agree on the test ids the seed is part of."""
+    if not hasattr(config, "workerinput"):
+        os.environ.setdefault("ELASTOR_LAYOUT_SEED", str(time.time_ns() % 1_000_000))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``, ``--dist loadgroup``; pytest.ini) each test module
+    runs whole on one worker, so that its module-scoped worlds run once, and the
+    modules that use one of ``SHARED_WORLDS`` run together, so that it runs once. The
+    suite mostly waits on torchrun worlds starting, supervisors polling and timeouts
+    running out (its processes use under half of two cores): two workers overlap that."""
+    group_of: dict[str, str] = {}
+    for item in items:
+        shared = [w for w in SHARED_WORLDS if w in item.fixturenames]
+        if shared:
+            group_of[item.module.__name__] = shared[0]
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group_of.get(name, name)))
 
 
 def run_world(nproc: int, module: str, args: list[str], timeout: float = 240):
@@ -113,6 +142,15 @@ def train_world(request, tmp_path_factory) -> dict[str, Path]:
               ["--recipe", str(TINY), *shared_world.world_args(root, parts)],
               timeout=shared_world.TIMEOUT)
     return dirs
+
+
+@pytest.fixture(scope="session")
+def single_process_reference(tmp_path_factory) -> Path:
+    """The recovery tests' uninterrupted run (``tests/single_process_reference.py``,
+    which imports this module's ``run_world``)."""
+    from tests.single_process_reference import run_reference
+
+    return run_reference(tmp_path_factory.mktemp("single-process-reference"))
 
 
 @pytest.fixture(scope="session")

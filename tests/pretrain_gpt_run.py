@@ -70,9 +70,12 @@ def data_args(vocab_size: int) -> list[str]:
             "--log-interval", "1", "--distributed-backend", "gloo", "--num-workers", "0"]
 
 
-def default_args() -> list[str]:
-    """The tiny model on mock data: everything but layout, batch and iteration flags."""
-    return tiny_model_args() + data_args(load_recipe(TINY).model.vocab_size)
+def default_args(tied_embeddings: bool = False) -> list[str]:
+    """The tiny model on mock data: everything but layout, batch and iteration flags
+    (``tied_embeddings``: without ``--untie-embeddings-and-output-weights``)."""
+    args = tiny_model_args() + data_args(load_recipe(TINY).model.vocab_size)
+    return [a for a in args if a != "--untie-embeddings-and-output-weights"] \
+        if tied_embeddings else args
 
 
 def checkout_release(megatron_lm_dir: Path) -> tuple[int, int] | None:
@@ -127,16 +130,18 @@ class PretrainRun:
 
 
 def run_pretrain_gpt(megatron_lm_dir: Path, nproc: int, args: list[str], workdir: Path,
-                     timeout: float = 300, env: dict[str, str] | None = None
-                     ) -> PretrainRun:
+                     timeout: float = 300, env: dict[str, str] | None = None,
+                     tied_embeddings: bool = False) -> PretrainRun:
     """Run the patched ``pretrain_gpt.py`` of ``megatron_lm_dir`` on ``nproc`` CPU ranks
-    (``torchrun --standalone``) with ``args`` after ``default_args()``, in ``workdir``.
+    (``torchrun --standalone``) with ``args`` after ``default_args(tied_embeddings)``, in
+    ``workdir``.
 
     The run is stopped (SIGTERM, then SIGKILL to its process group) after ``timeout``
     seconds; it then returns with returncode -9 and what it printed so far."""
     script = patched_checkout(megatron_lm_dir) / "pretrain_gpt.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(script), *default_args(), *args]
+               f"--nproc-per-node={nproc}", str(script), *default_args(tied_embeddings),
+               *args]
     path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
     run_env = dict(os.environ, PYTHONPATH=path, **RUN_ENV)
     run_env.update(env or {})

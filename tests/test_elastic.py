@@ -25,7 +25,7 @@ from elastor_mcore.elastic.report import read_metrics
 from tests.conftest import REPO, TINY
 from tests.s3_server import s3_environment
 from tests.single_process_reference import (SAVE_INTERVAL as SAVE_INTERVAL_REFERENCE,
-                                            reference_losses, reference_run)
+                                            reference_losses)
 
 STEPS = 8
 SAVE_INTERVAL = 2
@@ -69,12 +69,12 @@ def relative(got, ref) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[dict[int, float], Path]:
+def reference(single_process_reference) -> tuple[dict[int, float], Path]:
     """The same steps uninterrupted on one process: each step's loss, and the checkpoint
     of step STEPS (the session's single-process run, shared with test_elastic_nodes)."""
     assert STEPS % SAVE_INTERVAL_REFERENCE == 0
-    ckpt = reference_run(tmp_path_factory) / "ckpt" / step_dir_name(STEPS)
-    return reference_losses(tmp_path_factory, STEPS), ckpt
+    ckpt = single_process_reference / "ckpt" / step_dir_name(STEPS)
+    return reference_losses(single_process_reference, STEPS), ckpt
 
 
 @pytest.fixture(scope="module")

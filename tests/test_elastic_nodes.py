@@ -56,22 +56,31 @@ def free_port() -> int:
 class Job:
     """The nodes' launchers of one job, each in its own session, output in a file."""
 
+    python_path: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.run_dir, self.port = tmp, tmp / "run", free_port()
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
+    def workload_args(self) -> list[str]:
+        """What the ranks run: the trainer on the tiny recipe."""
+        return ["--recipe", str(TINY), "--steps", str(STEPS), "--save-interval", "2",
+                "--no-async-save"]
+
     def start(self, node: str, slots: int, health_file: Path | None = None
               ) -> subprocess.Popen:
-        args = ["--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--steps", str(STEPS),
-                "--save-interval", "2", "--no-async-save", "--run-dir", str(self.run_dir),
+        args = ["--hardware", str(CPU_SLOTS), "--run-dir", str(self.run_dir),
                 "--devices", "cpu", "--nnodes", "1:2", "--rdzv-endpoint",
                 f"127.0.0.1:{self.port}", "--rdzv-id", "nodes-test", "--rdzv-conf", RDZV_CONF,
                 "--max-restarts", "5", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
                 "--slots", str(slots), "--node-name", node]
         if health_file:
             args += ["--health-file", str(health_file)]
+        args += self.workload_args()
         log = open(self.tmp / f"{node}-{len(self.procs)}.log", "w")
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        path = os.pathsep.join([*self.python_path, str(REPO), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, PYTHONPATH=path, **self.env)
         proc = subprocess.Popen([sys.executable, "-m", "elastor_mcore.cli", "launch", *args],
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -126,9 +135,9 @@ def kill_agent(launcher: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def reference(single_process_reference) -> dict[int, float]:
     """Each step's loss uninterrupted on one process (shared with test_elastic)."""
-    return reference_losses(tmp_path_factory, STEPS)
+    return reference_losses(single_process_reference, STEPS)
 
 
 def worker_pid(job: Job, node: str, launch: int, slot: int) -> int:

@@ -1,6 +1,7 @@
 """The supervisor's parts without a torchrun world: failure plan validation, hang
 detection, rank remapping, the timeline and the CUDA probe's timeout."""
 
+import collections
 import json
 
 import pytest
@@ -8,10 +9,16 @@ import pytest
 from elastor_mcore import cli
 from elastor_mcore.config.failure_plan import (Failure, FailurePlanError, parse_failure_plan,
                                             validate)
+from elastor_mcore.config.launch import MegatronSettings
+from elastor_mcore.config.run import RunSettings
+from elastor_mcore.elastic import protocol
 from elastor_mcore.elastic.heartbeat import HangPolicy
+from elastor_mcore.elastic.job import Trainer, latest_readable, renumbered
+from elastor_mcore.elastic.megatron import MegatronLM
 from elastor_mcore.elastic.probe import probe_cuda
-from elastor_mcore.elastic.protocol import EVENTS_FILE, HeartbeatWriter, append_event, read_beats
-from elastor_mcore.elastic.supervisor import torchrun_layout
+from elastor_mcore.integrations.megatron_lm.launch_flags import MegatronJob
+from elastor_mcore.elastic.protocol import (EVENTS_FILE, Beat, HeartbeatWriter, append_event,
+                                            read_beats)
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from elastor_mcore.parallel.layout import layout_from_dict
 from tests.conftest import REPO, TINY
@@ -58,15 +65,61 @@ def test_launch_refuses_a_bad_failure_plan_before_starting(tmp_path, capsys):
 def test_hang_policy_is_generous_before_the_first_step(tmp_path):
     for slot, rank in ((0, 0), (2, 1)):
         HeartbeatWriter(tmp_path, slot, rank).beat(0, stepping=False)
-    HeartbeatWriter(tmp_path, 0, 0).beat(3, stepping=True)
     beats = read_beats(tmp_path)
-    t = beats[0].time
-    policy = HangPolicy(startup_timeout_s=100, timeout_s=10)
-    assert policy.silent_slots([0, 2], beats, t, t + 5, last_step=8) == []
-    assert policy.silent_slots([0, 2], beats, t, t + 11, last_step=8) == [0]
-    assert policy.silent_slots([0, 2], beats, t, t + 101, last_step=8) == [0, 2]
-    assert policy.silent_slots([0, 2], beats, t, t + 11, last_step=3) == []  # finishing
-    assert policy.silent_slots([0, 2, 5], beats, t, t + 101, last_step=8) == [0, 2, 5]
+    t = max(b.time for b in beats.values())
+    policy = HangPolicy(startup_timeout_s=100, floor_s=2)
+    assert policy.silent_slots([0, 2], beats, t, t + 99, last_step=8) == {}
+    silent = policy.silent_slots([0, 2, 5], beats, t, t + 101, last_step=8)
+    assert sorted(silent) == [0, 2, 5]  # 5 never beat: from the launch's start
+    assert silent[0].rule == "start-up timeout 100s (before the first step)"
+    assert silent[5].rule == "start-up timeout 100s (no heartbeat yet)"
+
+
+def beat(step: int, timed: int, p99: float | None, busy: str | None = None) -> Beat:
+    return Beat(slot=0, rank=0, pid=1, step=step, stepping=True, time=1000.0, busy=busy,
+                steps_timed=timed, step_p99_s=p99)
+
+
+def test_hang_timeout_follows_the_measured_step_times():
+    """Three times the p99 of the rank's own step times once it has timed three steps,
+    never under the floor; the start-up timeout until then, during a save or an
+    evaluation, and after the last step."""
+    policy = HangPolicy(startup_timeout_s=300, floor_s=2)
+    paced = policy.timeout(beat(6, 5, 1.5), last_step=20)
+    assert paced.seconds == pytest.approx(4.5)
+    assert paced.rule == "4.5s = max(3 x p99 step 1.50s over 5 steps, floor 2s)"
+    assert policy.timeout(beat(6, 5, 0.1), last_step=20).seconds == 2  # the floor
+    for early in (beat(3, 2, 1.5), beat(6, 5, 1.5, busy="save"), beat(20, 19, 1.5)):
+        assert policy.timeout(early, last_step=20).seconds == 300
+    assert "2 of 3 steps timed" in policy.timeout(beat(3, 2, 1.5), 20).rule
+    assert "during a save" in policy.timeout(beat(6, 5, 1.5, busy="save"), 20).rule
+    silent = policy.silent_slots([0], {0: beat(6, 5, 1.5)}, 0.0, 1004.4, last_step=20)
+    assert silent == {}
+    silent = policy.silent_slots([0], {0: beat(6, 5, 1.5)}, 0.0, 1004.6, last_step=20)
+    assert silent[0].seconds == pytest.approx(4.5)
+
+
+def test_heartbeats_time_each_step_from_the_previous_beat(tmp_path, monkeypatch):
+    """A rank times every step from its previous beat (the load, the previous step, or
+    the end of a save: a save between two steps is not a step's time); the beat carries
+    the p99 of those times."""
+    now = [100.0]
+    monkeypatch.setattr(protocol.time, "time", lambda: now[0])
+    writer = HeartbeatWriter(tmp_path, 3, 1)
+
+    def at(t: float, step: int, stepping: bool = True, busy: str | None = None) -> Beat:
+        now[0] = t
+        writer.beat(step, stepping, busy)
+        return read_beats(tmp_path)[3]
+
+    at(100.0, 4, stepping=False)                     # loaded step 4
+    assert at(102.0, 5).steps_timed == 1              # 2 s
+    at(103.0, 6)                                      # 1 s
+    assert at(103.5, 6, busy="save").busy == "save"   # a save of step 6 begins ...
+    at(110.0, 6)                                      # ... and ends 6.5 s later
+    last = at(111.5, 7)                               # 1.5 s, the save left out
+    assert (last.steps_timed, last.step_p99_s, last.busy) == (3, 2.0, None)
+    assert writer.durations == collections.deque([2.0, 1.0, 1.5])
 
 
 def test_survivor_slots_become_contiguous_torchrun_ranks():
@@ -74,9 +127,77 @@ def test_survivor_slots_become_contiguous_torchrun_ranks():
         {"micro_batches": 10, "stages": [{"tp": 1, "layers": 4, "ranks": [4]},
                                          {"tp": 1, "layers": 4, "ranks": [0]}]},
         {"micro_batches": 6, "stages": [{"tp": 2, "layers": 8, "ranks": [7, 2]}]}]})
-    ranked, slots = torchrun_layout(layout)
+    slots = Trainer(RunSettings(recipe=str(TINY), steps=4)).rank_order(layout)
     assert slots == (0, 2, 4, 7)
+    ranked = renumbered(layout, slots)
     assert [s.ranks for p in ranked.pipelines for s in p.stages] == [(2,), (0,), (1, 3)]
+
+
+def test_megatron_ranks_end_with_a_last_stage():
+    """Megatron-LM logs the loss from its highest rank: the highest slot of a last stage
+    becomes the last torchrun rank, the others keep their order."""
+    layout = layout_from_dict({"pipelines": [
+        {"micro_batches": 16, "stages": [{"tp": 2, "layers": 4, "ranks": [6, 7]},
+                                         {"tp": 1, "layers": 4, "ranks": [1]}]},
+        {"micro_batches": 4, "stages": [{"tp": 1, "layers": 8, "ranks": [0]}]}]})
+    job = MegatronJob(recipe={}, train_iters=8, save_interval=2, save=None, load=None,
+                      arguments={"micro_batch_size": 1, "global_batch_size": 20,
+                                 "untie_embeddings_and_output_weights": True})
+    workload = MegatronLM(MegatronSettings(), (), job, "recipe.yaml")
+    order = workload.rank_order(layout)
+    assert order == (0, 6, 7, 1)
+    ranked = renumbered(layout, order)
+    assert max(ranked.ranks) in ranked.pipelines[0].stages[-1].ranks
+    # Megatron-LM's loop refuses the layout on its slots' own order, not on this one
+    assert "not a last stage" in workload.refusal(renumbered(layout, sorted(layout.ranks)))
+    assert workload.refusal(ranked) is None
+
+
+def test_a_workload_that_refuses_the_best_layout_gets_one_it_runs():
+    """``Workload.plan``: when the ranks cannot run the planner's best layout, the best
+    one on fewer slots; when none, a PlannerError naming each refusal."""
+    from elastor_mcore.config.recipe import load_recipe
+    from elastor_mcore.planner import PlannerError, load_hardware
+
+    class OnePipeline(Trainer):
+        def refusal(self, layout):
+            return None if len(layout.pipelines) == 1 else "one pipeline only"
+
+    class Nothing(Trainer):
+        def refusal(self, layout):
+            return "nothing runs"
+
+    recipe, hardware = load_recipe(TINY), load_hardware(REPO / "recipes/hardware/cpu-slots.yaml")
+    settings = RunSettings(recipe=str(TINY), steps=4)
+    best = Trainer(settings).plan(recipe, hardware, [0, 1, 2, 3])
+    assert len(best.layout.pipelines) > 1
+    chosen = OnePipeline(settings).plan(recipe, hardware, [0, 1, 2, 3])
+    assert len(chosen.layout.pipelines) == 1 and set(chosen.layout.ranks) <= {0, 1, 2, 3}
+    with pytest.raises(PlannerError, match="on 1 slots cannot run: nothing runs"):
+        Nothing(settings).plan(recipe, hardware, [0, 1])
+
+
+def test_the_latest_readable_step_skips_the_unreadable_ones():
+    assert latest_readable([2, 4, 6], set()) == 6
+    assert latest_readable([2, 4, 6], {6}) == 4
+    assert latest_readable([2, 4, 6], {2, 4, 6}) is None
+    assert latest_readable([], {6}) is None
+
+
+def test_megatron_iterations_count_once_complete_and_tracked(tmp_path):
+    """A Megatron-LM save directory's committed iterations: ``iter_*`` with
+    ``metadata.json``, up to the tracker (an unfinished save and a newer directory the
+    tracker does not name yet do not count)."""
+    from elastor_mcore.checkpoint.megatron_dir import committed_iterations, write_config
+
+    assert committed_iterations(tmp_path / "none") == []
+    for it in (2, 4, 6, 8):
+        (tmp_path / f"iter_{it:07d}").mkdir()
+    for it in (2, 4, 8):
+        write_config(tmp_path / f"iter_{it:07d}")
+    assert committed_iterations(tmp_path) == []  # no tracker yet
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("6")
+    assert committed_iterations(tmp_path) == [2, 4]
 
 
 def test_timeline_joins_supervisor_records_and_rank_events(tmp_path):
@@ -119,16 +240,19 @@ def test_round_plan_numbers_devices_by_node_and_maps_back_to_round_ranks():
     members = [Member(0, "b", 0, 0, True, 0.0, 0.0), Member(1, "b", 0, 1, False, 0.0, 0.0),
                Member(2, "a", 1, 0, True, 0.0, 0.0)]
     assert planner_slots(members) == ({0: 0, 2: 2}, 2)
-    plan = plan_round(members, load_recipe(TINY),
+    trainer = Trainer(RunSettings(recipe=str(TINY), steps=4))
+    plan = plan_round(members, trainer, load_recipe(TINY),
                       load_hardware(REPO / "recipes" / "hardware" / "cpu-slots.yaml"),
-                      str(REPO / "no-such-checkpoint"), use_all=True, number=7)
+                      str(REPO / "no-such-checkpoint"), use_all=True, number=7,
+                      unreadable=set())
     used = sorted(r for p in plan.layout["pipelines"] for s in p["stages"] for r in s["ranks"])
     assert (plan.round, used, plan.resumed_from) == (7, [0, 2], None)
     assert plan.active(2) and not plan.active(1)
     nothing = [Member(0, "b", 0, 0, False, 0.0, 0.0)]
-    gave_up = plan_round(nothing, load_recipe(TINY),
+    gave_up = plan_round(nothing, trainer, load_recipe(TINY),
                          load_hardware(REPO / "recipes" / "hardware" / "cpu-slots.yaml"),
-                         str(REPO / "no-such-checkpoint"), use_all=False, number=8)
+                         str(REPO / "no-such-checkpoint"), use_all=False, number=8,
+                         unreadable=set())
     assert gave_up.layout is None
     assert gave_up.reason.startswith("gave up: the 0 healthy devices [] cannot hold the model")
 
@@ -149,3 +273,27 @@ def test_launch_refuses_incomplete_rendezvous_flags(tmp_path, capsys, args, mess
     assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--recipe, --steps, --save-interval required (or run Megatron-LM's "
+         "pretrain_gpt.py: --megatron-lm PATH -- <its flags>)"),
+    (["--recipe", str(TINY), "--steps", "4", "--save-interval", "2", "--", "--seed", "3"],
+     "unexpected arguments --seed 3: flags after -- are Megatron-LM's, with --megatron-lm"),
+    (["--megatron-lm", "pretrain_gpt.py", "--steps", "4", "--no-async-save", "--",
+      "--train-iters", "4"],
+     "--steps, --async-save: the project trainer's flags; with --megatron-lm give "
+     "Megatron-LM's own after --"),
+    (["--megatron-lm", "pretrain_gpt.py", "--synthetic-data", "--", "--train-iters", "4"],
+     "the data flags: the project trainer's flags"),
+    (["--megatron-lm", "pretrain_gpt.py"], "give pretrain_gpt.py's flags after --"),
+    (["--megatron-lm", str(REPO / "no-such-dir" / "pretrain_gpt.py"), "--",
+      "--train-iters", "4"], "no such file; pass Megatron-LM's pretrain_gpt.py"),
+])
+def test_launch_tells_the_trainers_flags_from_megatron_lms(tmp_path, capsys, args, message):
+    """Without --megatron-lm the trainer's flags are needed and nothing follows --; with
+    it, Megatron-LM's flags say everything and the trainer's are refused, by name."""
+    code = cli.main(["launch", "--hardware", str(REPO / "recipes/hardware/cpu-slots.yaml"),
+                     "--run-dir", str(tmp_path / "run"), "--devices", "cpu", *args])
+    assert code == 2
+    assert message in capsys.readouterr().err

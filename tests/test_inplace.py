@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from elastor_mcore import checkpoint
+from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.inplace import InPlaceWatch
 from elastor_mcore.elastic.protocol import EVENTS_FILE, Beat, append_event
 from elastor_mcore.elastic.report import read_metrics, segments, write_report
@@ -174,16 +175,25 @@ def test_watch_absorbs_a_death_and_an_injected_hang(tmp_path):
     append_event(tmp_path / EVENTS_FILE, "failure", slot=2, step=3, kind="hang", epoch=0)
     now = time.time()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    beats = {0: Beat(0, 0, 100, 2, True, now - 50), 1: Beat(1, 1, 101, 2, True, now - 50),
-             2: Beat(2, 2, sleeper.pid, 2, True, now - 50)}
+    paced = dict(steps_timed=5, step_p99_s=1.0)  # 3 x 1 s: silent after 3 s
+    beats = {0: Beat(0, 0, 100, 2, True, now - 50, **paced),
+             1: Beat(1, 1, 101, 2, True, now - 50, **paced),
+             2: Beat(2, 2, sleeper.pid, 2, True, now - 50, **paced)}
     messages = []
     watch = InPlaceWatch(record, steps=10, on_message=messages.append)
+    policy = HangPolicy(startup_timeout_s=300, floor_s=2)
     # Slot 0 died; slot 2 hangs (injected): silent, like slot 1 blocked behind it.
-    judged = watch.absorb(beats, silent=lambda b: sorted(b),
-                          running=lambda pid: pid in (101, sleeper.pid))
+    judged = watch.absorb(
+        beats, silent=lambda b: policy.silent_slots(sorted(b), b, record.launched_at,
+                                                    time.time(), 10),
+        running=lambda pid: pid in (101, sleeper.pid))
     assert sleeper.wait(timeout=10) == -signal.SIGKILL  # the hung rank is killed
     assert set(watch.lost) == {0, 2} and list(judged) == [1]
     assert not judged[1].stepping and judged[1].time >= now  # recovering: the long limit
     assert watch.slots == [1]
     assert any("slot 2 hung (killed)" in m for m in messages)
-    assert [e["slot"] for e in record.events("hang_killed")] == [2]
+    killed = record.events("hang_killed")
+    assert [e["slot"] for e in killed] == [2]
+    assert killed[0]["timeout"].startswith("3.0s = max(3 x p99 step 1.00s over 5 steps")
+    # The recovering ranks' old beats count as not stepping: the start-up limit applies.
+    assert policy.silent_slots([1], judged, record.launched_at, time.time(), 10) == {}

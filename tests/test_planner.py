@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -98,6 +99,57 @@ def test_zero1_keeps_an_fp32_main_copy_in_fp32_runs_too():
     plain = CostModel(TINY, CPU).stage_memory(1, 2, 0, 1)
     zero = CostModel(with_optimizer(TINY, True), CPU).stage_memory(1, 2, 0, 1, replicas=3)
     assert zero.optimizer == pytest.approx(plain.optimizer * 12 / 8 / 3)
+
+
+def _training(recipe, **changes):
+    return dataclasses.replace(recipe, training=dataclasses.replace(recipe.training, **changes))
+
+
+def test_overlapped_gradient_reduction_hides_behind_the_backward():
+    """``--overlap-grad-reduce`` (Megatron-LM's loop starts the cross-pipeline buckets
+    during the last backward) hides the all-reduce behind two thirds of the bottleneck
+    stage's time; with ZeRO-1 only the reduce-scatter half, and the all-gather half
+    behind a third under ``--overlap-param-gather``; never more than it lasts."""
+    pipelines = [(8, [(4, 16), (4, 16)]), (8, [(8, 32)])]
+    plain = with_optimizer(LLAMA3_8B, False)
+    base = CostModel(plain, A100).step_cost(pipelines, intra_node=False)
+    overlapped = CostModel(_training(plain, overlap_grad_reduce=True), A100)
+    step = overlapped.step_cost(pipelines, intra_node=False)
+    bottleneck = max(base.pipelines, key=lambda p: p.time_s).bottleneck_s
+    assert step.grad_sync_s == base.grad_sync_s > 0
+    assert step.grad_sync_hidden_s == pytest.approx(min(base.grad_sync_s, 2 * bottleneck / 3))
+    assert step.step_s < base.step_s
+    zero = _training(LLAMA3_8B, distributed_optimizer=True, overlap_grad_reduce=True)
+    half = CostModel(zero, A100).step_cost(pipelines, intra_node=False)
+    both = CostModel(_training(zero, overlap_param_gather=True), A100).step_cost(
+        pipelines, intra_node=False)
+    assert half.grad_sync_hidden_s == pytest.approx(min(half.grad_sync_s / 2, 2 * bottleneck / 3))
+    assert both.grad_sync_hidden_s == pytest.approx(
+        half.grad_sync_hidden_s + min(half.grad_sync_s / 2, bottleneck / 3))
+    assert overlapped.hidden_grad_sync_s(1.0, 30.0) == 1.0
+
+
+def test_measured_tables_serve_a_recipe_of_their_shape_under_another_name():
+    """A recipe translated from Megatron-LM's arguments (named ``megatron-lm``, with
+    ``--max-position-embeddings`` set) takes the tables measured on the tiny recipe's
+    shape; sequence parallelism, which they were measured without, takes the norms'
+    share off each layer's activations at TP > 1."""
+    measured = load_hardware(HW_DIR / "cpu-slots-measured.yaml")
+    megatron = dataclasses.replace(TINY, name="megatron-lm", model=dataclasses.replace(
+        TINY.model, max_position_embeddings=TINY.model.seq_length))
+    assert measured.measurements_for(megatron) is measured.measured["tiny-llama"]
+    other = dataclasses.replace(megatron, model=dataclasses.replace(megatron.model,
+                                                                    vocab_size=1000))
+    assert measured.measurements_for(other) is None
+    plain = CostModel(megatron, measured).stage_memory(2, 4, 0, 3)
+    split = CostModel(_training(megatron, sequence_parallel=True), measured).stage_memory(
+        2, 4, 0, 3)
+    m = TINY.model
+    saving = 3 * 4 * TINY.training.micro_batch_size * m.seq_length * 4 * m.hidden_size / 2 * 4
+    assert plain.activations - split.activations == pytest.approx(saving)
+    assert CostModel(_training(megatron, sequence_parallel=True), measured).stage_memory(
+        1, 4, 0, 3).activations == CostModel(megatron, measured).stage_memory(
+        1, 4, 0, 3).activations
 
 
 def test_a_weight_held_by_three_pipelines_is_split_three_ways():

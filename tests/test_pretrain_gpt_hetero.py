@@ -68,8 +68,10 @@ def relative_difference(run: dict[int, float], reference: dict[int, float],
 class Runner:
     """Runs in one work directory, each saving zarr checkpoints there; each must succeed."""
 
-    def __init__(self, megatron_lm_dir: Path, workdir: Path) -> None:
+    def __init__(self, megatron_lm_dir: Path, workdir: Path, tied_embeddings: bool = False,
+                 env: dict[str, str] | None = None) -> None:
         self.megatron_lm_dir, self.workdir = megatron_lm_dir, workdir
+        self.tied_embeddings, self.env = tied_embeddings, env or {}
 
     def layout_file(self, name: str, layout: dict) -> str:
         path = self.workdir / f"{name}.yaml"
@@ -86,7 +88,9 @@ class Runner:
         run = run_pretrain_gpt(
             self.megatron_lm_dir, nproc,
             ["--global-batch-size", str(GLOBAL_BATCH), "--save", str(self.workdir / name),
-             *args], self.workdir / f"{name}.run", timeout=900)
+             *args], self.workdir / f"{name}.run", timeout=900,
+            env={key: value.format(name=name) for key, value in self.env.items()},
+            tied_embeddings=self.tied_embeddings)
         assert run.returncode == 0, run.tail()
         assert not any(run.skipped), f"{name}: skipped iterations\n{run.tail()}"
         return run

@@ -47,6 +47,45 @@ def test_lease_of_a_dead_process_is_taken_over(tmp_path, caplog):
     assert "taking over the lease" in caplog.text and "job crashed" in caplog.text
 
 
+LAUNCHER = """
+import subprocess, sys, time
+from elastor_mcore.checkpoint.lease import CheckpointLease
+lease = CheckpointLease(sys.argv[1], "job-a")
+lease.acquire()
+rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                        start_new_session=True)
+lease.refresh()  # as the supervisor does once torchrun has started
+print(rank.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_lease_holds_until_the_last_process_the_launcher_started_is_gone(tmp_path):
+    """A SIGKILLed launcher leaves processes it started that may still write (ranks
+    stopping): the lease names them, and a new job is refused until they are gone."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path)],
+                                stdout=subprocess.PIPE, text=True)
+    rank = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait()
+    try:
+        assert [pid for pid, _ in CheckpointLease(tmp_path, "x").read().writers] == [rank]
+        with pytest.raises(LeaseError, match="is in use by job job-a"):
+            CheckpointLease(tmp_path, "job-b").acquire()
+    finally:
+        subprocess.run(["kill", "-9", str(rank)])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the orphan is reaped by init
+        try:
+            with CheckpointLease(tmp_path, "job-b") as lease:
+                assert lease.read().job_id == "job-b"
+            break
+        except LeaseError:
+            time.sleep(0.2)
+    else:
+        pytest.fail("the lease was not taken over once every process of job-a was gone")
+
+
 def test_lease_not_refreshed_is_stale_on_any_host(tmp_path):
     owner = {"job_id": "remote", "host": "another-host", "pid": 1, "pid_started": 0.0,
              "started_at": time.time() - 600, "refreshed_at": time.time() - 120}

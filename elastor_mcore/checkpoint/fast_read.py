@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ import torch
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, TensorEntry, failed_for, file_path)
 from elastor_mcore.checkpoint.plan import LocalShard
+from elastor_mcore.compat.crc32c import available as crc32c_available, crc32c
 
 log = logging.getLogger(__name__)
 
@@ -53,41 +54,6 @@ MAX_IOVECS = 512
 
 _bytes_read = 0
 _bytes_lock = threading.Lock()
-
-
-def _load_crc32c() -> Callable[[int, int, int], int] | None:
-    """``crc32c_extend(crc, address, length)`` of the C library under ``google-crc32c``,
-    called through ctypes: the package's own ``value`` accepts only ``bytes`` (a copy)
-    and holds the GIL, while a ctypes call reads the tensor's memory and releases it."""
-    try:
-        import google_crc32c
-        from google_crc32c import _crc32c  # type: ignore[attr-defined]
-    except ImportError:
-        log.warning("google-crc32c has no C extension here; checkpoint loads use "
-                    "TensorStore (slower)")
-        return None
-    extend = ctypes.CDLL(_crc32c.__file__).crc32c_extend
-    extend.restype = ctypes.c_uint32
-    extend.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]
-    if extend(0, ctypes.cast(ctypes.c_char_p(b"123456789"), ctypes.c_void_p).value,
-              9) != google_crc32c.value(b"123456789"):
-        log.warning("google-crc32c's C library disagrees with its module; checkpoint "
-                    "loads use TensorStore")
-        return None
-    return extend
-
-
-_crc32c_extend = _load_crc32c()
-
-
-def crc32c_available() -> bool:
-    """Whether ``crc32c`` works here (the fast paths need it; else TensorStore)."""
-    return _crc32c_extend is not None
-
-
-def crc32c(address: int, nbytes: int) -> int:
-    """The crc32c of ``nbytes`` of memory at ``address`` (GIL released)."""
-    return _crc32c_extend(0, address, nbytes)
 
 
 def bytes_read() -> int:

@@ -31,6 +31,7 @@ import torch
 
 from elastor_mcore.checkpoint import fast_read
 from elastor_mcore.checkpoint.fast_read import ABSENT, CRC_BYTES, MAX_IOVECS, READ_THREADS
+from elastor_mcore.compat.crc32c import available as crc32c_available, crc32c
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, TensorEntry, failed_for, file_path)
 from elastor_mcore.geometry import Box
@@ -45,7 +46,7 @@ FLUSH_BYTES = 8 << 20
 def handles(entry: TensorEntry, box: Box, data: torch.Tensor) -> bool:
     """Whether the unit ``box`` of a tensor stored as ``entry`` is one whole file that
     can be written here from ``data``."""
-    return (fast_read.crc32c_available() and data.device.type == "cpu"
+    return (crc32c_available() and data.device.type == "cpu"
             and len(entry.shape) > 0 and entry.dtype in DTYPE_ITEMSIZE
             and all(s % c == 0 for s, c in zip(entry.shard, entry.chunks))
             and all(o % s == 0 and n == min(s, total - o)
@@ -124,7 +125,7 @@ def _write_file(step_dir: Path, key: str, entry: TensorEntry, box: Box,
 
 
 def _crc_bytes(address: int, nbytes: int) -> np.ndarray:
-    return np.array([fast_read.crc32c(address, nbytes)], dtype="<u4")
+    return np.array([crc32c(address, nbytes)], dtype="<u4")
 
 
 def _write_all(fd: int, buffers: list[np.ndarray]) -> None:

@@ -8,8 +8,14 @@ rank starts and refreshes it while the job runs:
 
 * a root without a lease, or with a lease of the same job id, is taken at once;
 * a lease whose owner stopped refreshing it for ``stale_after_s`` (a crashed job on
-  any host), or whose owning process is gone (same host), is taken over, logged;
+  any host), or whose processes are all gone (same host), is taken over, logged;
 * otherwise the job is refused with a message naming the owner.
+
+The lease names the launcher and, at every refresh (and whenever the launcher starts a
+job's processes, ``refresh``), every process it has started that is still running
+(torchrun, its ranks, their helpers): a launcher that was SIGKILLed leaves ranks that
+are still stopping, and saving, for a moment; the lease is not taken over before the
+last of them is gone.
 
 Loading needs no lease. The storage backend provides the primitives
 (``Storage.create_exclusive``, ``overwrite``, ``remove_once``): on a file system
@@ -28,7 +34,8 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
+
 import psutil
 
 from elastor_mcore.checkpoint.format import CheckpointError
@@ -54,6 +61,9 @@ class LeaseOwner:
     """The launcher's start time (tells a reused pid from the owner)."""
     started_at: float
     refreshed_at: float
+    writers: list[tuple[int, float]] = field(default_factory=list)
+    """(pid, start time) of the launcher's descendants at the last refresh: the job's
+    processes on this host that may still write."""
 
     def describe(self) -> str:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started_at))
@@ -62,15 +72,35 @@ class LeaseOwner:
 
     def alive(self, stale_after_s: float) -> bool:
         """Whether the owner may still be running: refreshed recently and, on this
-        host, its process still exists."""
+        host, its launcher or one of the processes it started still exists."""
         if time.time() - self.refreshed_at > stale_after_s:
             return False
         if self.host != socket.gethostname():
             return True
+        return any(running(pid, started)
+                   for pid, started in [(self.pid, self.pid_started), *self.writers])
+
+
+def running(pid: int, started: float) -> bool:
+    """Whether process ``pid``, started at ``started``, is still running (a reused pid
+    has another start time; a zombie has exited)."""
+    try:
+        process = psutil.Process(pid)
+        return abs(process.create_time() - started) < 1.0 and \
+            process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def descendants() -> list[tuple[int, float]]:
+    """(pid, start time) of every process this one started, directly or not."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
         try:
-            return abs(psutil.Process(self.pid).create_time() - self.pid_started) < 1.0
+            found.append((child.pid, child.create_time()))
         except psutil.NoSuchProcess:
-            return False
+            continue
+    return found
 
 
 def new_job_id() -> str:
@@ -93,6 +123,7 @@ class CheckpointLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._owner: LeaseOwner | None = None
+        self._writing = threading.Lock()
 
     def __enter__(self) -> "CheckpointLease":
         self.acquire()
@@ -156,12 +187,21 @@ class CheckpointLease:
     def _record(self) -> bytes:
         return json.dumps(asdict(self._owner)).encode()
 
-    def _refresh(self) -> None:
-        while not self._stop.wait(self.refresh_s):
+    def refresh(self) -> bool:
+        """Renew the lease now, naming the processes this one has started (call it once
+        a job's processes have started); False if another job has taken it over."""
+        with self._writing:
             current = self.read()
             if current is not None and current.job_id != self.job_id:
                 log.error("the lease on %s was taken over by %s; this job's saves may "
                           "collide with it", self.root, current.describe())
-                return
-            self._owner = LeaseOwner(**{**asdict(self._owner), "refreshed_at": time.time()})
+                return False
+            self._owner = replace(self._owner, refreshed_at=time.time(),
+                                  writers=descendants())
             self.storage.overwrite(self.path, self._record())
+            return True
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.refresh_s):
+            if not self.refresh():
+                return

@@ -54,6 +54,8 @@ CONFIG_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
 OBJECTS_DIR = "megatron_objects"
 CONTENT_METADATA_KEY = "content_metadata"
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+"""Megatron-LM's tracker: the newest iteration whose save completed."""
 _ITER_RE = re.compile(r"^iter_(\d+)$")
 _BACKGROUND_GROUP = None
 
@@ -299,6 +301,21 @@ def write_config(checkpoint_dir: str | os.PathLike) -> None:
     storage_for(config).write_durably(config, json.dumps({
         "sharded_backend": BACKEND, "sharded_backend_version": BACKEND_VERSION,
         "common_backend": "torch", "common_backend_version": 1}))
+
+
+def committed_iterations(save_dir: str | os.PathLike) -> list[int]:
+    """Iterations of a Megatron-LM save directory that a load can resume, ascending:
+    ``iter_*`` directories holding ``metadata.json`` (the last write of a zarr save and
+    of mcore's own), up to the one the tracker names (written once a save completed;
+    without a tracker, none). The directory or an ``s3://`` prefix."""
+    root = as_path(save_dir)
+    try:
+        tracked = int((root / TRACKER_FILE).read_text().strip())
+    except (FileNotFoundError, NotADirectoryError, ValueError):  # none yet, or "release"
+        return []
+    return sorted(int(m.group(1)) for entry in root.iterdir()
+                  if (m := _ITER_RE.match(entry.name)) and int(m.group(1)) <= tracked
+                  and backend_of(entry) is not None)
 
 
 def prune(save_dir: Location, keep: int, just_saved: Location) -> None:

@@ -30,7 +30,7 @@ from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.config.run import RunSettings
 from elastor_mcore.config.shipped import shipped_path
 from elastor_mcore.data.errors import DataError
-from elastor_mcore.elastic.job import TRAINER
+from elastor_mcore.elastic.job import Trainer
 from elastor_mcore.elastic.report import Segment, memory_of, read_metrics, segments, write_report
 from elastor_mcore.elastic.supervisor import Supervisor, SupervisorConfig
 from elastor_mcore.elastic.timeline import recoveries
@@ -73,8 +73,7 @@ def register(subparsers) -> None:
                              "for the recipe on this machine (once per --out, cached in "
                              "--out/hardware-profile.yaml)")
     LaunchSettings.add_arguments(parser, "demo", {
-        "slots": {"default": 8, "help": "CPU slots 0..N-1 (default %(default)s)"},
-        "heartbeat_timeout": {"default": 20.0}})
+        "slots": {"default": 8, "help": "CPU slots 0..N-1 (default %(default)s)"}})
     parser.add_argument("--kill", default="12:3", metavar="STEP:SLOT",
                         help="the slot killed and the step it dies at (default 12:3)")
     parser.add_argument("--hang", default="27:6", metavar="STEP:SLOT",
@@ -133,8 +132,7 @@ def run_reference(settings: RunSettings, out: Path) -> float:
     start = time.perf_counter()
     reference = replace(settings, layout=REFERENCE_LAYOUT,
                         metrics_out=str(out / "metrics.jsonl"), failure_plan=None)
-    rank = TRAINER.launch_command(reference)
-    result = run_torchrun(2, rank.module, rank.args, capture=True)
+    result = run_torchrun(2, Trainer.module, reference.to_argv("worker"), capture=True)
     (out / "torchrun.log").write_text(result.stdout + result.stderr)
     signum = stopped_by(result.returncode)
     if signum:
@@ -190,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             args, "demo", hardware=args.hardware, run_dir=str(out),
             max_restarts=len(failures), devices="cpu", measure_profile=not args.no_profile,
             use_all_slots=True)
-        config = SupervisorConfig(settings=settings, launch=launch, recipe=recipe,
+        config = SupervisorConfig(workload=Trainer(settings), launch=launch, recipe=recipe,
                                   failures=failures, hardware=hardware,
                                   slots=tuple(range(launch.slots)))
     except (RecipeError, HardwareError, FailurePlanError, ValueError) as exc:
@@ -214,12 +212,13 @@ def run(args: argparse.Namespace) -> int:
     except DataError as exc:
         print(f"{PREFIX}: {exc}", file=sys.stderr)
         return 2
-    config = replace(config, settings=replace(config.settings, data=data))
+    settings = replace(settings, data=data)
+    config = replace(config, workload=Trainer(settings))
 
     print(f"{PREFIX}: [2/4] reference: {args.steps} uninterrupted steps on "
           f"{REFERENCE_LAYOUT} ...", flush=True)
     try:
-        took = run_reference(config.settings, out / "reference")
+        took = run_reference(settings, out / "reference")
     except Stopped as stop:
         return report_stop(PREFIX, stop.signum, None)
     except RuntimeError as exc:
@@ -259,14 +258,17 @@ def run(args: argparse.Namespace) -> int:
                 "steps": args.steps, "saves": f"asynchronous, every {args.save_interval} steps",
                 "failures": ", ".join(f"{f.kind} of slot {f.slot} at step {f.step}"
                                       for f in failures),
-                "heartbeat timeout": f"{args.heartbeat_timeout:.0f}s after the first step, "
-                                     f"{args.startup_timeout:.0f}s before",
                 "recovery": (f"in place from the state in memory (every "
                              f"{args.memory_interval} step(s), a replica on another node), "
                              f"a relaunch if that fails" if args.recovery == "in-place" else
                              "relaunch from the last checkpoint")
                             + (", ranks forked from a pre-imported worker" if args.zygote
                                else ", ranks started cold"),
+                "hang timeout": f"3 x the p99 of each rank's step times, at least "
+                                f"{args.heartbeat_timeout:g}s, once it has timed 3 steps of "
+                                f"its launch; {args.startup_timeout:g}s before, during saves "
+                                f"and after the last step (each hang's in the recovery "
+                                f"timeline)",
                 "data": data.describe() + " (samples are the same under every layout)",
                 "reference": f"the same steps uninterrupted on {REFERENCE_LAYOUT} (2 "
                              f"data-parallel ranks, no failure)"}

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from elastor_mcore.config.shipped import HARDWARE_HELP, RECIPE_HELP
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.planner import HardwareError, Plan, PlannerError, load_hardware, plan
 from elastor_mcore.planner.cost_model import GIB
@@ -19,9 +20,8 @@ def register(subparsers) -> None:
         description="Search pipelines, stages, TP groups, layer and micro-batch splits for "
                     "the GPUs that are alive, under an analytic cost model, and print the "
                     "layout (ranks are physical GPU ids: node * gpus_per_node + local id).")
-    parser.add_argument("--recipe", required=True, help="recipe YAML (model + training)")
-    parser.add_argument("--hardware", required=True,
-                        help="hardware profile YAML, e.g. recipes/hardware/a100-80gb.yaml")
+    parser.add_argument("--recipe", required=True, help=RECIPE_HELP)
+    parser.add_argument("--hardware", required=True, help=HARDWARE_HELP)
     parser.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs per node (default: the hardware profile's)")

@@ -15,7 +15,7 @@ from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.config.run import RunSettings
 from elastor_mcore.data.config import validate_data_config
 from elastor_mcore.data.errors import DataError
-from elastor_mcore.elastic.job import TRAINER
+from elastor_mcore.elastic.job import Trainer
 from elastor_mcore.elastic.torchrun import run_torchrun
 from elastor_mcore.parallel.layout import LayoutError, load_layout
 
@@ -80,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"elastor train: {recipe.name} on {layout.num_gpus} of {world} ranks: "
           f"{layout.describe()}", flush=True)
     try:
-        rank = TRAINER.launch_command(settings)
-        result = run_torchrun(world, rank.module, rank.args)
+        result = run_torchrun(world, Trainer.module, settings.to_argv("worker"))
     finally:
         if lease:
             lease.release()

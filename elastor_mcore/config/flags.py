@@ -18,27 +18,31 @@ import typing
 from dataclasses import MISSING, Field, fields
 from typing import Any, Callable, Literal, Self
 
-Command = Literal["train", "launch", "demo", "worker", "node-worker", "profile", "measure"]
+Command = Literal["train", "launch", "demo", "worker", "node-worker", "megatron-worker",
+                  "profile", "measure"]
 """The commands whose flags are defined here: the sub-commands ``elastor train``,
 ``launch``, ``demo`` and ``profile``, and the entry points their processes start:
-the training rank (``worker``), a multi-node round's rank (``node-worker``) and the
+the training rank (``worker``), a multi-node round's rank (``node-worker``), a rank
+of Megatron-LM's ``pretrain_gpt.py`` under the launcher (``megatron-worker``) and the
 measurement world (``measure``)."""
 
 
 def setting(help: str | None, commands: tuple[Command, ...], *, flag: str | None = None,
-            metavar: str | None = None, required: bool = False,
+            aliases: tuple[str, ...] = (), metavar: str | None = None, required: bool = False,
             parse: Callable[[str], Any] | None = None,
             render: Callable[[Any], str] | None = None, negatable: bool = True,
             consts: tuple[tuple[str, Any, str], ...] = ()) -> dict[str, Any]:
     """A field's flag: its help, the commands that take it, and argparse details.
 
-    ``flag`` defaults to the field's name in dashes; a ``Literal`` type gives the
+    ``flag`` defaults to the field's name in dashes (``aliases`` are other spellings a
+    parser accepts, e.g. torchrun's name for it); a ``Literal`` type gives the
     choices; ``parse``/``render`` convert a value that is neither a number, a str nor a
     bool to and from its argv text. A bool flag is ``--x/--no-x`` unless not
     ``negatable`` (then ``--x`` alone sets it). ``consts`` makes the field a choice
     between mutually exclusive flags instead, each ``(flag, value, help)``.
     """
-    return {"help": help, "commands": commands, "flag": flag, "metavar": metavar,
+    return {"help": help, "commands": commands, "flag": flag, "aliases": aliases,
+            "metavar": metavar,
             "required": required, "parse": parse, "render": render, "negatable": negatable,
             "consts": consts}
 
@@ -87,6 +91,20 @@ class Flags:
                 parsed[f.name] = getattr(args, f.name)
         return cls(**{**parsed, **values})
 
+    @classmethod
+    def given(cls, args: argparse.Namespace, command: Command) -> list[str]:
+        """The flags of ``command`` that ``args`` sets to other than their field's
+        default (for a command that refuses some flags in some mode)."""
+        hints = typing.get_type_hints(cls)
+        flags = []
+        for f in fields(cls):
+            if f.metadata.get("nested"):
+                flags += hints[f.name].given(args, command)
+            elif command in f.metadata.get("commands", ()) and \
+                    getattr(args, f.name, None) not in (None, _default(f)):
+                flags.append(_flag_of(f))
+        return flags
+
     def to_argv(self, command: Command) -> list[str]:
         """The command line that gives ``command`` these settings (``from_args`` of its
         parser reads them back); unset (None) values are left out."""
@@ -124,7 +142,7 @@ def _add_flag(parser, f: Field, hint: Any, own: dict[str, Any]) -> None:
         kwargs["required"] = True
     if "default" in own:
         kwargs.pop("required", None)  # a command's own default makes it optional
-    parser.add_argument(_flag_of(f), **{**kwargs, **own})
+    parser.add_argument(_flag_of(f), *meta["aliases"], **{**kwargs, **own})
 
 
 def _flag_argv(f: Field, value: Any) -> list[str]:

@@ -5,7 +5,10 @@ defined once, as the run settings are (``config.flags``).
   (``elastic.job.JobConfig`` holds them for the supervisor and the node launcher);
 - ``NodeSettings``: a job of several nodes (torch elastic's c10d rendezvous);
 - ``RoundSettings``: what a node's launcher tells the ranks its agent starts at every
-  rendezvous round (``node-worker``), as argv (``to_argv``) they read back.
+  rendezvous round (``node-worker``), as argv (``to_argv``) they read back;
+- ``MegatronSettings``: a Megatron-LM job (``--megatron-lm``), and what the launcher
+  tells each rank of ``pretrain_gpt.py`` besides Megatron-LM's own flags
+  (``megatron-worker``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from elastor_mcore.config.flags import Flags, setting
+from elastor_mcore.config.flags import Command, Flags, int_list, render_list, setting
+from elastor_mcore.config.shipped import HARDWARE_HELP
 
 Devices = Literal["auto", "cpu", "cuda"]
 
@@ -23,9 +27,7 @@ Devices = Literal["auto", "cpu", "cuda"]
 class LaunchSettings(Flags):
     """How a run is supervised, beside what it trains (``RunSettings``)."""
 
-    hardware: str = field(metadata=setting(
-        "hardware profile YAML for the planner, e.g. recipes/hardware/cpu-slots.yaml",
-        ("launch",)))
+    hardware: str = field(metadata=setting(f"{HARDWARE_HELP}, for the planner", ("launch",)))
     measure_profile: bool = field(default=False, metadata=setting(
         "unless --hardware or DIR/hardware-profile.yaml was measured on this machine for "
         "the recipe (elastor profile), measure one first and cache it there; either "
@@ -34,7 +36,8 @@ class LaunchSettings(Flags):
     directory) before the first launch."""
     slots: int | None = field(default=None, metadata=setting(
         "slots 0..N-1 (node-major, the profile's gpus_per_node per node; default: one node "
-        "on CPU, every visible GPU on CUDA)", ("launch", "demo"), metavar="N"))
+        "on CPU, every visible GPU on CUDA)", ("launch", "demo"), metavar="N",
+        aliases=("--nproc-per-node",)))
     run_dir: str = field(metadata=setting(
         "checkpoints, per-launch logs and timeline.json go here", ("launch",), metavar="DIR"))
     checkpoint_dir: str | None = field(default=None, metadata=setting(
@@ -47,12 +50,15 @@ class LaunchSettings(Flags):
         "give up after N recoveries (default %(default)s); with several nodes, torch's "
         "--max-restarts of each node's agent (a node joining does not count)", ("launch",),
         metavar="N"))
-    heartbeat_timeout: float = field(default=60.0, metadata=setting(
-        "a rank silent for S seconds after its first step is hung (default %(default)g)",
-        ("launch", "demo"), metavar="S"))
+    heartbeat_timeout: float = field(default=2.0, metadata=setting(
+        "the least silence that makes a rank hung once it has timed 3 steps of its launch; "
+        "the timeout is 3 x the 99th percentile of its step times when that is longer "
+        "(default %(default)g)", ("launch", "demo"), metavar="S"))
+    """The floor of the hang timeout (``elastic.heartbeat.HangPolicy``)."""
     startup_timeout: float = field(default=300.0, metadata=setting(
-        "silence allowed before a rank's first step of a launch: imports, model build, "
-        "checkpoint load (default %(default)g)", ("launch", "demo"), metavar="S"))
+        "silence allowed before a rank has timed 3 steps of a launch (imports, model "
+        "build, checkpoint load, first steps), during a save or an evaluation, and after "
+        "its last step (default %(default)g)", ("launch", "demo"), metavar="S"))
     devices: Devices = field(default="auto", metadata=setting(
         "cuda probes each GPU after a failure (default: cuda if available)", ("launch",)))
     """``auto`` until the command resolves it; the supervisor and node launcher get
@@ -149,3 +155,36 @@ class RoundSettings(Flags):
         "YAML list of this node's dead slots", ("node-worker",)))
     use_all_slots: bool = field(default=False, metadata=setting(
         "plan layouts that keep every healthy slot busy", ("node-worker",), negatable=False))
+
+
+MEGATRON_RANK: tuple[Command, ...] = ("megatron-worker",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronSettings(Flags):
+    """A Megatron-LM job under the launcher: the script its ranks run, and what the
+    launcher tells each of them besides Megatron-LM's own flags, which follow ``--``
+    on their command line (``elastic.rank.megatron``)."""
+
+    script: str | None = field(default=None, metadata=setting(
+        "run Megatron-LM's pretrain_gpt.py (patched with tools/apply_megatron_patch.sh) "
+        "with the Megatron-LM flags after --, instead of a recipe: every launch plans a "
+        "layout from those flags and resumes from the latest committed iteration (see "
+        "docs/megatron-lm.md)", ("launch", "megatron-worker"), flag="--megatron-lm",
+        metavar="PRETRAIN_GPT_PY"))
+    job: str | None = field(default=None, metadata=setting(
+        "what Megatron-LM's parser made of the flags (JSON, written by the launcher)",
+        MEGATRON_RANK))
+    elastic_dir: str | None = field(default=None, metadata=setting(
+        "heartbeats and events of this launch (a round: of this node)", MEGATRON_RANK))
+    metrics_out: str | None = field(default=None, metadata=setting(
+        "the reporting rank's JSON line per iteration {step, loss, time_s}", MEGATRON_RANK))
+    rank_slots: tuple[int, ...] | None = field(default=None, metadata=setting(
+        "physical slot of each rank, comma-separated, in rank order", MEGATRON_RANK,
+        parse=int_list, render=render_list))
+    failure_plan: str | None = field(default=None, metadata=setting(
+        "inject failures: a list of {step, slot, kind: kill|hang}", MEGATRON_RANK))
+    checkpoint_dir: str | None = field(default=None, metadata=setting(
+        "a round's checkpoint root (it picks the iteration to resume)", MEGATRON_RANK))
+    hardware: str | None = field(default=None, metadata=setting(
+        "a round's hardware profile (it plans its layout)", MEGATRON_RANK))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from elastor_mcore.config.flags import Command, Flags, int_list, render_list, setting
+from elastor_mcore.config.shipped import RECIPE_HELP
 
 DEFAULT_MAX_SPREAD = 0.25
 """The default bound on a figure's spread (the width of its median's confidence
@@ -23,7 +24,7 @@ BOTH: tuple[Command, ...] = ("profile", "measure")
 class MeasureSettings(Flags):
     """What a measurement takes: ``elastor profile``'s flags, and the world's."""
 
-    recipe: str = field(metadata=setting("recipe YAML (model + training)", BOTH))
+    recipe: str = field(metadata=setting(RECIPE_HELP, BOTH))
     hardware: str | None = field(default=None, metadata=setting(
         "profile to start from: memory, inter-node links and what is not measured "
         "(default on CPU: recipes/hardware/cpu-slots.yaml; required on CUDA)", BOTH))

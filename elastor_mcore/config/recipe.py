@@ -187,6 +187,14 @@ class TrainingConfig:
     """Megatron's ``--sequence-parallel``: in every stage of TP > 1, norms and residuals
     run on the TP rank's slice of the sequence (``model.seq_length`` must be divisible
     by every such TP); stage boundaries re-split the sequence (``runtime/p2p.py``)."""
+    overlap_grad_reduce: bool = False
+    """Megatron's ``--overlap-grad-reduce``: the gradient reduction across pipelines
+    starts bucket by bucket during the last micro-batch's backward (Megatron-LM's loop,
+    ``integrations/megatron_lm/overlap.py``); the planner hides it behind that backward."""
+    overlap_param_gather: bool = False
+    """Megatron's ``--overlap-param-gather`` (with ``distributed_optimizer`` and
+    ``overlap_grad_reduce``): ZeRO-1's all-gather of the weights overlaps the next
+    forward; the planner hides it behind the first micro-batch's forward."""
     recompute_granularity: str | None = None
     """Megatron's ``--recompute-granularity``: ``full`` (whole layers, with
     ``recompute_method`` and ``recompute_num_layers``) or ``selective`` (core
@@ -208,9 +216,13 @@ class TrainingConfig:
         if not isinstance(self.distributed_optimizer, bool):
             raise RecipeError(f"training.distributed_optimizer={self.distributed_optimizer!r}: "
                               f"use true or false")
-        if not isinstance(self.sequence_parallel, bool):
-            raise RecipeError(f"training.sequence_parallel={self.sequence_parallel!r}: use "
-                              f"true or false")
+        for name in ("sequence_parallel", "overlap_grad_reduce", "overlap_param_gather"):
+            if not isinstance(getattr(self, name), bool):
+                raise RecipeError(f"training.{name}={getattr(self, name)!r}: use true or false")
+        if self.overlap_param_gather and not (self.distributed_optimizer
+                                              and self.overlap_grad_reduce):
+            raise RecipeError("training.overlap_param_gather needs distributed_optimizer and "
+                              "overlap_grad_reduce (as Megatron's --overlap-param-gather)")
         self._check_recompute()
         self._check_schedule()
 

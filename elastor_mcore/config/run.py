@@ -16,6 +16,7 @@ from typing import Literal
 
 from elastor_mcore.config.data import DataConfig
 from elastor_mcore.config.flags import Command, Flags, int_list, nested, render_list, setting
+from elastor_mcore.config.shipped import RECIPE_HELP
 
 ALL: tuple[Command, ...] = ("train", "launch", "demo", "worker")
 SAVING: tuple[Command, ...] = ("train", "launch", "worker")
@@ -53,9 +54,9 @@ class RunSettings(Flags):
     from these settings (the loaded recipe and layout, callbacks) live in ``RunConfig``
     and ``SupervisorConfig``, which hold a ``RunSettings``."""
 
-    recipe: str = field(metadata=setting("recipe YAML (model + training)", ALL))
+    recipe: str = field(metadata=setting(RECIPE_HELP, ALL))
     layout: str | None = field(default=None, metadata=setting(
-        "layout YAML file or uniform shorthand like dp2-tp2-pp2", ("train", "worker"),
+        "layout YAML file, uniform shorthand like dp2-tp2-pp2, or a shipped layout's name", ("train", "worker"),
         required=True))
     """Under the supervisor, each launch's planned layout (set per launch)."""
     steps: int = field(metadata=setting("optimizer steps to run", ALL))

@@ -51,3 +51,8 @@ def missing_hint(kind: str) -> str:
     """The end of a 'does not exist' message: which names would have worked."""
     return (f": give a YAML file, or the name of a shipped {kind} "
             f"({', '.join(shipped(kind)) or 'none shipped'})")
+
+
+RECIPE_HELP = "recipe YAML (model + training), or a shipped recipe's name, e.g. llama3-8b"
+HARDWARE_HELP = "hardware profile YAML, or a shipped profile's name, e.g. h100-80gb"
+"""The help of every ``--recipe`` and ``--hardware`` flag."""

@@ -8,7 +8,8 @@ Modules, one concern each:
 - ``protocol``: the files the supervisor and its ranks share (event log, heartbeat
   files, a node's round records), a leaf that both sides import.
 - ``job``: what the supervisor and a node launcher share (``JobConfig``) and what the
-  ranks run (``Workload``: the project's trainer is ``TRAINER``).
+  ranks run (``Workload``: the project's trainer is ``Trainer``).
+- ``megatron``: Megatron-LM's own ``pretrain_gpt.py`` as a workload (``MegatronLM``).
 - ``torchrun``: start and stop torchrun worlds (every CLI, tool and test launches so).
 - ``heartbeat``: the hang policy.
 - ``probe``: which devices are still alive after a failure.
@@ -20,8 +21,9 @@ Modules, one concern each:
   with.
 - ``timeline``: per-failure recovery phases from supervisor records and rank events.
 - ``report``: the demo's ``report.md``, ``loss.png`` and ``timeline.json``.
-- ``rank/``: what runs inside the ranks: entry points, a round's agreement, the
-  training loop's elastic hooks, the measurement world.
+- ``rank/``: what runs inside the ranks: entry points (the trainer's, and Megatron-LM's
+  ``megatron``), a round's agreement, the training loop's elastic hooks, the
+  measurement world.
 
 The failure plan itself is ``config/failure_plan.py``; the launcher's flags are
 ``config/launch.py``.

@@ -27,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from elastor_mcore.elastic.heartbeat import Timeout
 from elastor_mcore.elastic.protocol import EVENTS_FILE, Beat, append_event
 from elastor_mcore.elastic.timeline import LaunchRecord
 
@@ -55,7 +56,8 @@ class InPlaceWatch:
         """Slots whose rank leaves the launch on purpose (not in a new layout)."""
         return {e["slot"] for e in self.record.events("regroup") if not e["in_layout"]}
 
-    def absorb(self, beats: dict[int, Beat], silent: Callable[[dict[int, Beat]], list[int]],
+    def absorb(self, beats: dict[int, Beat],
+               silent: Callable[[dict[int, Beat]], dict[int, Timeout]],
                running: Callable[[int], bool]) -> dict[int, Beat]:
         """The beats the supervisor should judge, with this launch's failures absorbed:
         lost and departed slots left out, a new death or an injected hang (``silent``
@@ -64,12 +66,14 @@ class InPlaceWatch:
         beats = {s: b for s, b in beats.items() if s not in self.lost and s not in self.left()}
         dead = [s for s, b in beats.items() if b.step < self.steps and not running(b.pid)]
         injected = {e["slot"] for e in self.record.failures() if e["kind"] == "hang"}
-        hung = [s for s in silent(beats) if s in injected and s not in dead]
+        timeouts = silent(beats)
+        hung = [s for s in timeouts if s in injected and s not in dead]
         for slot in hung:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(beats[slot].pid, signal.SIGKILL)
             append_event(Path(self.record.dir) / EVENTS_FILE, "hang_killed", slot=slot,
-                         pid=beats[slot].pid, silent_s=now - beats[slot].time)
+                         pid=beats[slot].pid, silent_s=now - beats[slot].time,
+                         timeout=timeouts[slot].rule)
         for slot in dead + hung:
             self.lost[slot] = now
             self.since = now

@@ -36,7 +36,7 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -131,15 +131,14 @@ class NodeLauncher:
         """The elastic agent's command: it starts the workload's round command on every
         slot at every round."""
         cfg = self.config
-        settings = replace(cfg.settings, save_dir=str(cfg.checkpoint_dir),
-                           hardware=str(cfg.hardware_path), elastic_dir=str(self.node_dir))
         node = RoundSettings(
             node_name=cfg.node, node_dir=str(self.node_dir),
             store_endpoint=cfg.nodes.rdzv_endpoint, job_id=cfg.nodes.rdzv_id,
             devices=cfg.launch.devices, probe_timeout=cfg.launch.probe_timeout,
             health_file=cfg.nodes.health_file, use_all_slots=cfg.launch.use_all_slots)
-        rank = cfg.workload.round_command(settings, node)
-        if cfg.workload.in_place:  # under a keeper, from the pre-imported worker
+        rank = cfg.workload.round_command(node, str(cfg.checkpoint_dir), str(cfg.hardware_path),
+                                          str(self.node_dir))
+        if cfg.workload.prestarted:  # under a keeper, from the pre-imported worker
             rank = prestart.keeper_command(rank, in_place=False)
         return elastic_agent_command(cfg.slots, cfg.nodes, cfg.launch.max_restarts,
                                      rank.module, rank.args)
@@ -151,15 +150,15 @@ class NodeLauncher:
         self.on_message(f"node {cfg.node}: {cfg.slots} slots, rendezvous "
                         f"{cfg.nodes.rdzv_endpoint} id {cfg.nodes.rdzv_id} (nodes "
                         f"{cfg.nodes.nnodes}); files in {self.node_dir}")
-        with CheckpointLease(cfg.checkpoint_dir, f"rdzv:{cfg.nodes.rdzv_id}"), \
-                prestart.prestarted(cfg.launch.zygote and cfg.workload.in_place,
+        with CheckpointLease(cfg.checkpoint_dir, f"rdzv:{cfg.nodes.rdzv_id}") as lease, \
+                prestart.prestarted(cfg.launch.zygote and cfg.workload.prestarted,
                                     self.node_dir / "zygote.log") as self.prestart_env:
-            outcome = self._run_agent()
+            outcome = self._run_agent(lease)
         outcome.timeline = node_timeline.build(self.node_dir)
         node_timeline.write_json(self.node_dir / "timeline.json", outcome.timeline)
         return outcome
 
-    def _run_agent(self) -> NodeOutcome:
+    def _run_agent(self, lease: CheckpointLease) -> NodeOutcome:
         cfg = self.config
         # INFO: the agent's lines that time a recovery. Not sharing the rendezvous
         # store with the workers: with sharing (torch's default), a node joining a
@@ -172,6 +171,7 @@ class NodeLauncher:
                 "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(cfg.slots))))
         proc = start_torchrun(self.command(), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        lease.refresh()  # names the agent: the lease holds until it is gone
         reader = threading.Thread(target=self._read_agent, args=(proc,), daemon=True)
         reader.start()
         stopped_by = None
@@ -222,11 +222,15 @@ class NodeLauncher:
         for slot, beat in self._beats().items():
             if beat.pid in self.killed or not process_running(beat.pid):
                 continue
-            if cfg.hang.silent_slots([slot], {slot: beat}, beat.time, now, cfg.settings.steps):
+            silent = cfg.hang.silent_slots([slot], {slot: beat}, beat.time, now,
+                                           cfg.workload.steps)
+            if silent:
                 append_event(self.events, "hang_killed", slot=slot, pid=beat.pid,
-                             silent_s=now - beat.time, step=beat.step)
+                             silent_s=now - beat.time, step=beat.step,
+                             timeout=silent[slot].rule)
                 self.on_message(f"node {cfg.node}: slot {slot} sent no heartbeat for "
-                                f"{now - beat.time:.0f}s (step {beat.step}): hung; killed")
+                                f"{now - beat.time:.0f}s (step {beat.step}, "
+                                f"{silent[slot].rule}): hung; killed")
                 self.killed.add(beat.pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(beat.pid, signal.SIGKILL)

@@ -6,7 +6,8 @@ lines and its hang kills (``launcher.jsonl``), the round records its workers wro
 first step). A recovery's phases, in the order they happen::
 
     failure -> detect (agent sees it) -> rendezvous (next round formed) -> relaunch
-    (workers start, import, join the round) -> probe -> plan -> load -> first step
+    (workers start, import, join the round) -> probe -> plan -> build (process groups
+    and model; Megatron-LM's start-up) -> load -> first step
 
 A failure's time is its injection (failure plan) or, for a hang, the silent rank's
 last heartbeat. A node only times what it saw: the failure of another node's worker,
@@ -27,7 +28,7 @@ from elastor_mcore.elastic.timeline import markdown_table, secs
 from elastor_mcore.elastic.protocol import (EVENTS_FILE, LAUNCHER_EVENTS, ROUNDS_DIR,
                                              ROUNDS_FILE, read_events)
 
-PHASES = ("detect_s", "rendezvous_s", "relaunch_s", "probe_s", "plan_s", "load_s",
+PHASES = ("detect_s", "rendezvous_s", "relaunch_s", "probe_s", "plan_s", "build_s", "load_s",
           "first_step_s")
 
 
@@ -61,6 +62,8 @@ class NodeRecovery:
     relaunch_s: float | None
     probe_s: float | None
     plan_s: float | None
+    build_s: float | None
+    """From the plan to every rank of this node ready to load."""
     load_s: float | None
     first_step_s: float | None
     total_s: float | None
@@ -93,8 +96,10 @@ def _cause(failures: list[dict[str, Any]], kills: list[dict[str, Any]],
            detected: dict[str, Any] | None, before: RoundSummary, after: RoundSummary) -> str:
     parts = [f"{e['kind']} of slot {e['slot']} at step {e['step']}" for e in failures]
     if kills:
+        rule = kills[0].get("timeout")
         parts.append(f"slots {sorted({k['slot'] for k in kills})} killed after "
-                     f"{max(k['silent_s'] for k in kills):.0f}s without a heartbeat")
+                     f"{max(k['silent_s'] for k in kills):.0f}s without a heartbeat"
+                     + (f" ({rule})" if rule else ""))
     lost = sorted(set(before.nodes) - set(after.nodes))
     joined = sorted(set(after.nodes) - set(before.nodes))
     if lost:
@@ -133,6 +138,8 @@ def _recovery(node_dir: Path, prev: dict[str, Any], nxt: dict[str, Any],
     ready = [e for e in nxt_events if e["event"] == "ready"]
     stepped = [e for e in nxt_events if e["event"] == "first_step"]
     load_s = max((e["load_s"] for e in ready), default=None)
+    build_s = max(e["time"] - e["load_s"] for e in ready) - nxt["planned_at"] if ready \
+        else None
     first_step_s = total_s = None
     if ready and stepped:
         stepped_at = max(e["time"] for e in stepped)
@@ -142,8 +149,8 @@ def _recovery(node_dir: Path, prev: dict[str, Any], nxt: dict[str, Any],
     return NodeRecovery(
         prev["round"], nxt["round"], _cause(failures, kills, detected, before, after),
         len(before.nodes), len(after.nodes), before.ranks, after.ranks, after.resumed_from,
-        detect_s, rendezvous_s, relaunch_s, probe_s, nxt["plan_s"], load_s, first_step_s,
-        total_s)
+        detect_s, rendezvous_s, relaunch_s, probe_s, nxt["plan_s"], build_s, load_s,
+        first_step_s, total_s)
 
 
 def build(node_dir: str | os.PathLike) -> NodeTimeline:
@@ -163,7 +170,7 @@ def write_json(path: str | os.PathLike, timeline: NodeTimeline) -> None:
 def table(timeline: NodeTimeline) -> str:
     """One row per recovery, one column per phase (seconds)."""
     header = ["rounds", "cause", "nodes", "ranks", "resumed from", "detect", "rendezvous",
-              "relaunch", "probe", "plan", "load", "first step", "total"]
+              "relaunch", "probe", "plan", "build", "load", "first step", "total"]
     rows = [[f"{r.after_round} -> {r.next_round}", r.cause,
              f"{r.nodes_before} -> {r.nodes_after}", f"{r.ranks_before} -> {r.ranks_after}",
              "-" if r.resumed_from is None else r.resumed_from,

@@ -12,7 +12,9 @@ per step and needs no extra process or connection.
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +40,8 @@ ROUNDS_DIR = "rounds"
 """``rounds/<R>/``: a round's layout, rank events, heartbeats and metrics."""
 OUTCOME_FILE = "outcome.json"
 """How the job ended, written by the node's local rank 0 for its launcher."""
+STEP_WINDOW = 1000
+"""Steps a heartbeat's percentile covers: the latest, so it follows the run's pace."""
 
 
 def append_event(path: str | os.PathLike, event: str, **fields: Any) -> None:
@@ -80,21 +84,56 @@ class Beat:
     """Whether the rank has finished a step since it started (short timeout applies)."""
     time: float
     """Wall-clock time of the beat (``time.time()``)."""
+    busy: str | None = None
+    """What the rank does between two steps that is not a step (``save``,
+    ``evaluation``): the start-up timeout applies until its next beat."""
+    steps_timed: int = 0
+    """Steps of this launch whose duration the rank measured (of its latest layout,
+    after a recovery in place: a new layout has its own pace)."""
+    step_p99_s: float | None = None
+    """The 99th percentile of the last ``STEP_WINDOW`` of those durations: each from the
+    rank's previous beat (the end of the previous step, of a save or of the load) to
+    the end of the step."""
 
 
 class HeartbeatWriter:
-    """The rank side: one file, replaced atomically at each beat."""
+    """The rank side: one file, replaced atomically at each beat. It times every step
+    (from the previous beat to the step's beat) for the supervisor's hang timeout."""
 
     def __init__(self, directory: str | os.PathLike, slot: int, rank: int) -> None:
         self.path = Path(directory) / f"slot{slot}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.slot, self.rank = slot, rank
+        self.durations: collections.deque[float] = collections.deque(maxlen=STEP_WINDOW)
+        self.timed = 0
+        self._last: tuple[int, float] | None = None
+        """(step, time) of the previous beat."""
 
-    def beat(self, step: int, stepping: bool) -> None:
-        beat = Beat(self.slot, self.rank, os.getpid(), step, stepping, time.time())
+    def new_layout(self) -> None:
+        """Forget the step times measured so far: the steps of the layout a recovery in
+        place chose take their own time."""
+        self.durations.clear()
+        self.timed = 0
+
+    def beat(self, step: int, stepping: bool, busy: str | None = None) -> None:
+        now = time.time()
+        if self._last is not None and stepping and busy is None and \
+                step == self._last[0] + 1:
+            self.durations.append(now - self._last[1])
+            self.timed += 1
+        self._last = (step, now)
+        beat = Beat(self.slot, self.rank, os.getpid(), step, stepping, now, busy,
+                    self.timed, percentile(sorted(self.durations), 0.99))
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(asdict(beat)))
         os.replace(tmp, self.path)
+
+
+def percentile(ordered: list[float], q: float) -> float | None:
+    """The ``q`` quantile of the sorted ``ordered`` (nearest rank); None if empty."""
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def read_beats(directory: str | os.PathLike) -> dict[int, Beat]:

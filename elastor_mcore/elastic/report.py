@@ -109,12 +109,12 @@ def step_losses(launches: Sequence[LaunchRecord], reference: dict[int, float]) -
             for m in read_metrics(Path(launch.dir) / "metrics.jsonl")]
 
 
-def in_place_note(items: Sequence[Recovery]) -> list[str]:
-    """Markdown: what each recovery in place did (layout, resumed step, how detected)."""
-    return [f"- {r.failure}: {r.slots_before} -> {r.slots_after} slots on "
-            f"`{r.layout_after}`, resumed from step {r.resumed_from} "
-            f"({r.steps_redone} steps redone), {r.detected_by}" for r in items
-            if r.how == "in place"]
+def detections(items: Sequence[Recovery]) -> list[str]:
+    """Markdown: how each failure was detected (which hang timeout applied), and the
+    layout each recovery in place chose."""
+    return [f"- {r.failure}: detected by {r.detected_by}"
+            + (f"; {r.slots_before} -> {r.slots_after} slots on `{r.layout_after}`"
+               if r.how == "in place" else "") for r in items]
 
 
 @dataclass(frozen=True)
@@ -264,16 +264,17 @@ def write_report(out: str | os.PathLike, title: str, command: str,
            "Seconds per phase, from the failure to the first step on the new layout.", "",
            "In place (the survivors keep their processes): detect: failure injected → the "
            "first survivor's collective with the lost rank fails (a hang: after the "
-           "supervisor killed the silent rank at the heartbeat timeout); agree: → the "
+           "supervisor killed the silent rank at its hang timeout); agree: → the "
            "survivors agreed on who is left and the planner chose their layout (its share "
            "in brackets); regroup: → every rank in a new process group with its stage "
            "built; restore: the state of the last step from the survivors' memory, peer to "
            "peer; first step: the first step on the new layout.", "",
            "Relaunch: detect: failure injected → supervisor notices; stop: kill the job; "
            "probe: find the survivors; plan: the planner; relaunch: start torchrun → every "
-           "rank built and ready to load (processes forked from the pre-imported worker, "
-           "process groups, model); load: checkpoint load; first step: the first step "
-           "after the load.", "", table(items), "", *in_place_note(items), ""]
+           "rank built and ready to load (processes, forked from the pre-imported worker "
+           "unless --no-zygote; process groups, model); load: checkpoint load; first "
+           "step: the first step after the load.", "", table(items), "",
+           *detections(items), ""]
     md += ["## Checkpoints", "", "| launch | saves | blocked training, mean | max | "
            "load (slowest rank) |", "|---|---|---|---|---|"]
     for launch in launches:

@@ -1,12 +1,23 @@
 """The supervisor: plan a layout for the live slots, run it under torchrun, watch it,
 and on a failure stop it, find the survivors, re-plan and relaunch from the latest
-committed checkpoint, until the run finishes or recovery is impossible.
+committed checkpoint, until the run finishes or recovery is impossible. What the ranks
+run is the config's ``Workload`` (the project's trainer, or Megatron-LM's
+``pretrain_gpt.py``); everything here is the same for both.
 
 Torchrun does the rendezvous and the process management of each launch; a launch ends
 when a rank exits non-zero (torchrun then tears the others down and exits non-zero)
-or when a rank stops heart-beating (a hung collective: nothing exits, so the
-supervisor stops the job itself). The global batch and the data order do not depend on
-the layout, so the relaunched run continues the same loss curve.
+or when a rank stops heart-beating past its hang timeout (``heartbeat.HangPolicy``;
+a hung collective: nothing exits, so the supervisor stops the job itself). A launch
+whose ranks could not load the latest committed step (they report ``load_failed``)
+makes the next one resume from the committed step before it. The global batch and the
+data order do not depend on the layout, so the relaunched run continues the same loss
+curve.
+
+A workload whose ranks recover in place (``Workload.in_place``: the trainer unless
+``--recovery relaunch``) keeps its launch through a rank's death or an injected hang:
+the survivors re-plan in their processes (``elastic.inplace``), and a relaunch is the
+fallback when that fails. A workload's ranks start from a pre-imported worker when it
+allows it (``Workload.prestarted``, ``elastic.prestart``) unless ``--no-zygote``.
 
 Run directory::
 
@@ -36,23 +47,23 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import psutil
 
 from elastor_mcore import planner
-from elastor_mcore.checkpoint import latest_step
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
 from elastor_mcore.elastic import inplace, prestart, probe, profiling
-from elastor_mcore.elastic.job import JobConfig
-from elastor_mcore.elastic.protocol import HEARTBEAT_DIR, read_beats
-from elastor_mcore.elastic.report import launch_step_s
+from elastor_mcore.elastic.job import JobConfig, Launch, latest_readable, renumbered
+from elastor_mcore.elastic.heartbeat import Timeout
+from elastor_mcore.elastic.protocol import HEARTBEAT_DIR, Beat, read_beats
+from elastor_mcore.elastic.report import launch_step_s, read_metrics
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, write_json
 from elastor_mcore.elastic.torchrun import (forwarding_stop_signals, start_torchrun,
                                             torchrun_command)
-from elastor_mcore.parallel.layout import Layout, layout_from_dict
+from elastor_mcore.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -85,18 +96,6 @@ class Outcome:
     launches: list[LaunchRecord] = field(default_factory=list)
     stopped_by: int | None = None
     """The signal (SIGINT, SIGTERM) that stopped the run, if one did."""
-
-
-def torchrun_layout(layout: Layout) -> tuple[Layout, tuple[int, ...]]:
-    """The layout on torchrun ranks 0..n-1 and the slot of each rank: slots in sorted
-    order become consecutive ranks."""
-    slots = layout.ranks
-    rank_of = {slot: rank for rank, slot in enumerate(slots)}
-    data = layout.to_dict()
-    for pipe in data["pipelines"]:
-        for stage in pipe["stages"]:
-            stage["ranks"] = [rank_of[s] for s in stage["ranks"]]
-    return layout_from_dict(data), slots
 
 
 def stop_job(proc: subprocess.Popen, worker_pids: Sequence[int]) -> None:
@@ -144,14 +143,15 @@ class Supervisor:
         self.on_step = on_step
         self.launches: list[LaunchRecord] = []
         self.dead: set[int] = set()
+        self.unreadable: set[int] = set()
+        """Committed steps a launch failed to load: later launches resume from earlier
+        ones (until a launch saves that step again)."""
+        self.lease: CheckpointLease | None = None
         self.hardware = config.hardware
         """The profile the planner uses (chosen at the start of ``run``)."""
         self.profile_path: Path = config.hardware_path
         self.prestart_env: dict[str, str] = {}
         """Points the keepers to the pre-imported worker (``elastic.prestart``)."""
-        self.in_place = config.settings.recovery == "in-place" and config.workload.in_place
-        """Failures are recovered from in place (``elastic.inplace``), a relaunch only
-        when that fails."""
 
     # ----- the loop ------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -160,16 +160,16 @@ class Supervisor:
         job holds it)."""
         cfg = self.config
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        with CheckpointLease(cfg.checkpoint_dir, new_job_id()), prestart.prestarted(
-                cfg.launch.zygote and cfg.workload.in_place,
-                cfg.run_dir / "zygote.log") as self.prestart_env:
+        with CheckpointLease(cfg.checkpoint_dir, new_job_id()) as self.lease, \
+                prestart.prestarted(cfg.launch.zygote and cfg.workload.prestarted,
+                                    cfg.run_dir / "zygote.log") as self.prestart_env:
             self._choose_profile()
             return self._run()
 
     def _choose_profile(self) -> None:
         cfg = self.config
         choice = profiling.choose_profile(
-            cfg.run_dir, cfg.settings.recipe, cfg.recipe, cfg.hardware_path,
+            cfg.run_dir, cfg.workload.recipe_file, cfg.recipe, cfg.hardware_path,
             cfg.launch.devices, cfg.launch.measure_profile,
             on_line=lambda line: self.on_message(line.strip()))
         self.hardware = choice.hardware
@@ -189,8 +189,9 @@ class Supervisor:
                     return Outcome(False, f"stopped by {name} at launch {record.index}",
                                    self.launches, stopped_by=record.stopped_by)
                 if record.outcome == "finished":
-                    return self._finish(True, f"finished {cfg.settings.steps} steps after "
+                    return self._finish(True, f"finished {cfg.workload.steps} steps after "
                                               f"{len(recoveries(self.launches))} recoveries")
+                self._note_loads(record)
                 restarts = len(self.launches) - 1
                 if restarts >= cfg.launch.max_restarts:
                     return self._finish(False, f"gave up: launch {record.index} failed "
@@ -214,19 +215,24 @@ class Supervisor:
         cfg = self.config
         start = time.perf_counter()
         try:
-            chosen = planner.plan(cfg.recipe, self.hardware, alive,
-                                  use_all=cfg.launch.use_all_slots)
+            chosen = cfg.workload.plan(cfg.recipe, self.hardware, alive,
+                                       use_all=cfg.launch.use_all_slots)
         except planner.PlannerError as exc:
             which = "surviving slots" if self.launches else "slots"
             return f"gave up: the {len(alive)} {which} {alive} cannot hold the model: {exc}"
         plan_s = time.perf_counter() - start
+        committed = cfg.workload.committed_steps(cfg.checkpoint_dir)
+        resume = latest_readable(committed, self.unreadable)
+        if committed and resume is None:
+            return (f"gave up: no committed step in {cfg.checkpoint_dir} loads (steps "
+                    f"{committed} failed); training from scratch would overwrite them")
         index = len(self.launches)
         record = LaunchRecord(
             index=index, dir=str(cfg.run_dir / f"launch{index}"), alive=list(alive),
-            slots=list(chosen.layout.ranks), layout=chosen.layout.to_dict(),
-            describe=chosen.layout.describe(), predicted_step_s=chosen.step_s,
-            probe_s=probe_s, plan_s=plan_s, launched_at=0.0,
-            resumed_from=latest_step(cfg.checkpoint_dir))
+            slots=list(cfg.workload.rank_order(chosen.layout)),
+            layout=chosen.layout.to_dict(), describe=chosen.layout.describe(),
+            predicted_step_s=chosen.step_s, probe_s=probe_s, plan_s=plan_s, launched_at=0.0,
+            resumed_from=resume)
         self.launches.append(record)
         shutil.rmtree(record.dir, ignore_errors=True)  # a rerun in the same run directory
         Path(record.dir).mkdir(parents=True)
@@ -236,6 +242,8 @@ class Supervisor:
         self.on_message(f"launch {index}: {len(record.slots)} slots {record.slots}, "
                         f"{record.describe} (planned in {plan_s:.2f}s), {resumed}")
         proc = self._start(record, chosen.layout)
+        if self.lease is not None:
+            self.lease.refresh()  # names torchrun: the lease holds until it is gone
         try:
             with forwarding_stop_signals(proc) as received:
                 self._watch(record, proc, received)
@@ -259,16 +267,14 @@ class Supervisor:
     def _start(self, record: LaunchRecord, layout: Layout) -> subprocess.Popen:
         cfg = self.config
         out = Path(record.dir)
-        ranked, slots = torchrun_layout(layout)
-        (out / "layout.yaml").write_text(ranked.to_yaml())
-        resume = str(cfg.checkpoint_dir) if record.resumed_from is not None else None
-        rank = cfg.workload.launch_command(replace(
-            cfg.settings, layout=str(out / "layout.yaml"), metrics_out=str(out / "metrics.jsonl"),
-            save_dir=str(cfg.checkpoint_dir), load_dir=resume, elastic_dir=str(out),
-            rank_slots=slots, hardware=str(self.profile_path),
-            replan_all_slots=cfg.launch.use_all_slots))
-        if cfg.workload.in_place:  # under a keeper, from the pre-imported worker
-            rank = prestart.keeper_command(rank, self.in_place)
+        slots = tuple(record.slots)
+        (out / "layout.yaml").write_text(renumbered(layout, slots).to_yaml())
+        rank = cfg.workload.launch_command(Launch(
+            directory=str(out), layout=str(out / "layout.yaml"), slots=slots,
+            checkpoint_dir=str(cfg.checkpoint_dir), load_step=record.resumed_from,
+            hardware=str(self.profile_path), use_all_slots=cfg.launch.use_all_slots))
+        if cfg.workload.prestarted:  # under a keeper, from the pre-imported worker
+            rank = prestart.keeper_command(rank, cfg.workload.in_place)
         env = dict(self.prestart_env)
         if cfg.launch.devices == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
@@ -287,12 +293,12 @@ class Supervisor:
         cfg = self.config
         metrics = Path(record.dir) / "metrics.jsonl"
         seen = 0
-        watch = inplace.InPlaceWatch(record, cfg.settings.steps, self.on_message) \
-            if self.in_place else None
+        watch = inplace.InPlaceWatch(record, cfg.workload.steps, self.on_message) \
+            if cfg.workload.in_place else None
 
-        def silent_of(slots: list[int], beats) -> list[int]:
+        def silent_of(slots: list[int], beats: dict[int, Beat]) -> dict[int, Timeout]:
             return cfg.hang.silent_slots(slots, beats, record.launched_at, time.time(),
-                                         cfg.settings.steps)
+                                         cfg.workload.steps)
 
         while True:
             code = proc.poll()
@@ -309,22 +315,22 @@ class Supervisor:
                 beats = watch.absorb(beats, lambda b: silent_of(watch.slots, b),
                                      process_running)
             died = [b.slot for b in beats.values()
-                    if b.step < cfg.settings.steps and not process_running(b.pid)]
+                    if b.step < cfg.workload.steps and not process_running(b.pid)]
             if died:  # faster than waiting for torchrun to notice and tear down
                 record.outcome, record.died_slots = "exit", died
                 break
             silent = silent_of(watch.slots if watch else record.slots, beats)
             if silent:
-                record.outcome, record.silent_slots = "hang", silent
+                record.outcome, record.silent_slots = "hang", sorted(silent)
+                record.hang_timeout = silent[record.silent_slots[0]].rule
                 break
             time.sleep(cfg.poll_s)
         record.detected_at = time.time()
         if record.outcome in ("finished", "stopped"):
             return
         if record.outcome == "hang":
-            what = (f"no heartbeat from slots {silent} within the timeout "
-                    f"({cfg.hang.timeout_s:.0f}s once stepping, "
-                    f"{cfg.hang.startup_timeout_s:.0f}s before): a hung rank or collective")
+            what = (f"no heartbeat from slots {record.silent_slots} within the timeout "
+                    f"({record.hang_timeout}): a hung rank or collective")
         elif record.died_slots:
             what = (f"the rank processes of slots {record.died_slots} are gone (once one "
                     f"fails, torchrun stops the others; output in {record.dir}/torchrun.log)")
@@ -347,6 +353,26 @@ class Supervisor:
             if self.on_step:
                 self.on_step(record, json.loads(line))
         return max(seen, len(complete))
+
+    def _note_loads(self, launch: LaunchRecord) -> None:
+        """After a launch: a step it failed to load is unreadable (the next launch
+        resumes from the committed one before); steps it trained past were saved
+        again."""
+        ran = [m["step"] for m in read_metrics(Path(launch.dir) / "metrics.jsonl")]
+        if ran:
+            saved_again = range((launch.resumed_from or 0) + 1, max(ran))
+            self.unreadable.difference_update(saved_again)
+        failed = launch.events("load_failed")
+        if failed and launch.resumed_from is not None:
+            self.unreadable.add(launch.resumed_from)
+            before = latest_readable(
+                self.config.workload.committed_steps(self.config.checkpoint_dir),
+                self.unreadable)
+            self.on_message(
+                f"launch {launch.index} could not load step {launch.resumed_from} "
+                f"({failed[0]['error']}); the next launch resumes from "
+                + (f"step {before}, the committed one before it" if before is not None
+                   else "nothing: no earlier committed step"))
 
     def _survivors(self, alive: list[int], failed: LaunchRecord) -> list[int]:
         """The slots still usable: injected failures are dead; on CUDA every remaining

@@ -55,6 +55,9 @@ class LaunchRecord:
     """The stop signal (SIGINT, SIGTERM) forwarded to the launch, if one was."""
     exit_code: int | None = None
     silent_slots: list[int] = field(default_factory=list)
+    hang_timeout: str | None = None
+    """For a hang: the timeout the first silent slot exceeded, and how it was set
+    (``elastic.heartbeat.Timeout.rule``)."""
     died_slots: list[int] = field(default_factory=list)
     """Slots whose rank process was seen gone before torchrun exited."""
     detected_at: float | None = None
@@ -123,7 +126,7 @@ class Recovery:
 
 def _describe_detection(launch: LaunchRecord) -> str:
     if launch.outcome == "hang":
-        return f"heartbeat silent (slots {launch.silent_slots})"
+        return f"heartbeat silent (slots {launch.silent_slots}) past {launch.hang_timeout}"
     if launch.died_slots:
         return f"rank process gone (slots {launch.died_slots})"
     return f"exit code {launch.exit_code}"
@@ -137,8 +140,8 @@ def in_place(launch: LaunchRecord, epoch: int) -> Recovery:
     caught = min(e["caught"] for e in launch.events("regroup", epoch))
     start = first["time"] if first else caught
     killed = [e for e in launch.events("hang_killed") if start <= e["time"] <= caught]
-    detected_by = (f"heartbeat silent {killed[0]['silent_s']:.1f}s (slot "
-                   f"{killed[0]['slot']} killed)" if killed else
+    detected_by = (f"heartbeat silent {killed[0]['silent_s']:.1f}s past "
+                   f"{killed[0]['timeout']} (slot {killed[0]['slot']} killed)" if killed else
                    "collectives with the lost ranks failed")
     restored = launch.events("restored", epoch)
     ready = launch.events("ready", epoch)
@@ -173,8 +176,11 @@ def recovery(failed: LaunchRecord, after: LaunchRecord | None) -> Recovery:
     last = failed.epochs() - 1  # failures recovered from in place came before its layout
     injected = [e for e in failed.failures() if e.get("epoch", 0) >= last]
     first = injected[0] if injected else None
+    unreadable = failed.events("load_failed")
     what = (", ".join(f"{e['kind']} of slot {e['slot']} at step {e['step']}"
-                      for e in injected) or f"unplanned failure ({failed.outcome})")
+                      for e in injected)
+            or (f"load of step {failed.resumed_from} failed" if unreadable else "")
+            or f"unplanned failure ({failed.outcome})")
     start = first["time"] if first else failed.detected_at
     detect_s = failed.detected_at - start if first and failed.detected_at else None
     relaunch_s = load_s = first_step_s = total_s = None

@@ -26,6 +26,12 @@ Per step, the critical path: slowest pipeline + the cross-pipeline gradient all-
 pipeline's average ``parameters / GPUs``, so the term depends on the pipelines' sizes,
 not on the split) + the slowest stage's optimizer step (measured ns per local
 parameter; with ZeRO-1 each rank steps ``1 / pipelines`` of its stage's parameters).
+With ``training.overlap_grad_reduce`` (Megatron-LM's loop starts the reduction bucket
+by bucket during the last micro-batch's backward) the all-reduce is hidden behind the
+slowest pipeline's bottleneck stage's backward of one micro-batch (two thirds of its
+forward + backward); with ZeRO-1 only its reduce-scatter half is, and with
+``training.overlap_param_gather`` its all-gather half behind that stage's next forward
+(one third), as far as each lasts (``hidden_grad_sync_s``).
 
 CPU slots share cores, so a step also takes at least its CPU work over what its busy
 slots achieve together: every stage's CPU time per micro-batch (its TP group's,
@@ -151,11 +157,13 @@ class StepCost:
     contention: float = 1.0
     """How much longer than its critical path the step takes because its slots share
     cores (``CostModel.contention``; 1 on GPUs)."""
+    grad_sync_hidden_s: float = 0.0
+    """Of ``grad_sync_s``, what overlaps compute (``CostModel.hidden_grad_sync_s``)."""
 
     @property
     def step_s(self) -> float:
         return (max(p.time_s for p in self.pipelines) + self.grad_sync_s
-                + self.optimizer_s) * self.contention
+                - self.grad_sync_hidden_s + self.optimizer_s) * self.contention
 
 
 class CostModel:
@@ -413,6 +421,20 @@ class CostModel:
         d = num_pipelines
         return 2 * (d - 1) / d * nbytes / (bw * 1e9) + 2 * (d - 1) * lat * 1e-6
 
+    def hidden_grad_sync_s(self, grad_sync_s: float, bottleneck_s: float) -> float:
+        """Of the gradient all-reduce ``grad_sync_s``, what overlaps compute whose
+        bottleneck stage takes ``bottleneck_s`` per micro-batch (see the module): none
+        without ``training.overlap_grad_reduce``."""
+        training = self.recipe.training
+        if not training.overlap_grad_reduce:
+            return 0.0
+        backward, forward = 2 * bottleneck_s / 3, bottleneck_s / 3
+        if not self.shards_optimizer:
+            return min(grad_sync_s, backward)
+        half = grad_sync_s / 2  # reduce-scatter, then all-gather of the weights
+        return min(half, backward) + (min(half, forward) if training.overlap_param_gather
+                                      else 0.0)
+
     # ----- memory -----------------------------------------------------------------------
     def _layer_activation_bytes(self, tp: int) -> float:
         """Activations one layer keeps for backward, per micro-batch and GPU (flash
@@ -421,6 +443,14 @@ class CostModel:
         h, tp_sp = self._h, (tp if self.sequence_parallel else 1)
         per_token = 4 * h / tp_sp + (2 * h + 2 * self._kv + 3 * self._f) / tp
         return self._b * self._s * per_token * self._act_bytes
+
+    def _sequence_parallel_saving(self, tp: int) -> float:
+        """What sequence parallelism saves of one layer's activations per micro-batch
+        (the norms' share of ``_layer_activation_bytes``, split by TP): measured tables
+        are taken without it."""
+        if not self.sequence_parallel or tp == 1:
+            return 0.0
+        return self._b * self._s * 4 * self._h * (1 - 1 / tp) * self._act_bytes
 
     def _layer_input_bytes(self, tp: int) -> float:
         """What a recomputed chunk of layers keeps: its input (split by sequence
@@ -527,8 +557,8 @@ class CostModel:
         in_flight = num_stages - position
         if (self.tables and tp in self.tables.activation_mib
                 and self.recipe.training.recompute_granularity != "full"):
-            activations = in_flight * self.tables.activation_mib[tp].total(
-                layers, first, last) * 2**20
+            activations = in_flight * (self.tables.activation_mib[tp].total(
+                layers, first, last) * 2**20 - layers * self._sequence_parallel_saving(tp))
         else:
             activations = self.stage_activation_bytes(tp, layers, in_flight)
             if last:
@@ -631,7 +661,10 @@ class CostModel:
         min_gpus = min(sum(tp for tp, _ in stages) for _, stages in pipelines)
         grad = self.grad_sync_s(len(pipelines), min_gpus, intra_node)
         optimizer, cpu = self.pipelines_work(pipelines, grad)
-        critical = max(p.time_s for p in costs) + grad + optimizer
+        slowest = max(costs, key=lambda p: p.time_s)
+        hidden = self.hidden_grad_sync_s(grad, slowest.bottleneck_s)
+        critical = slowest.time_s + grad - hidden + optimizer
         fill = pipelines_fill_s((len(p.stages), p.bottleneck_s) for p in costs)
         return StepCost(pipelines=costs, grad_sync_s=grad, optimizer_s=optimizer,
-                        contention=self.contention(critical, cpu, fill))
+                        contention=self.contention(critical, cpu, fill),
+                        grad_sync_hidden_s=hidden)

@@ -82,6 +82,13 @@ def recipe_shape(recipe: Recipe) -> dict[str, Any]:
             "params_dtype": recipe.training.params_dtype}
 
 
+def _positions_set(shape: dict[str, Any]) -> dict[str, Any]:
+    """``shape`` with an unset ``max_position_embeddings`` as the sequence length (what
+    the model is built with; Megatron-LM's arguments always set it)."""
+    return {**shape, "max_position_embeddings": shape.get("max_position_embeddings")
+            or shape.get("seq_length")}
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     name: str
@@ -169,11 +176,15 @@ class HardwareProfile:
                         f"degrees, values positive milliseconds")
 
     def measurements_for(self, recipe: Recipe) -> RecipeMeasurements | None:
-        """The measured tables for ``recipe`` if they were taken on its shape."""
+        """The measured tables for ``recipe`` if they were taken on its shape; a recipe
+        the profile has no measurements of by name (e.g. one translated from Megatron-LM's
+        arguments) takes those of a recipe of its shape."""
+        shape = _positions_set(recipe_shape(recipe))
         found = self.measured.get(recipe.name)
         if found is None:
-            return None
-        if found.shape != recipe_shape(recipe):
+            return next((m for m in self.measured.values()
+                         if _positions_set(m.shape) == shape), None)
+        if _positions_set(found.shape) != shape:
             changed = sorted(k for k in set(found.shape) | set(recipe_shape(recipe))
                              if found.shape.get(k) != recipe_shape(recipe).get(k))
             log.warning("hardware profile %s: the measurements of %s were taken on another "

@@ -14,9 +14,9 @@ chunk of ``numel / holders`` per cut; norms and other small tensors may stay who
 
 Each step, per replica set in one global order (overlapping groups cannot deadlock):
 
-1. **Reduce-scatter** the gradients: one pipeline counts once (as in
-   ``GradientSynchronizer``: other TP replicas of the same pipeline add zeros), each
-   holder receives the sum over its segment. Sets inside one pipeline (TP replicas,
+1. **Reduce-scatter** the gradients: one stage counts once (as in
+   ``GradientSynchronizer``: other TP replicas of the same stage add zeros), each
+   holder receives the sum over its segment. Sets inside one stage (TP replicas,
    identical gradients) keep their own segment without communication. On NCCL the
    buffer is padded to ``holders x longest segment`` for ``reduce_scatter_tensor``;
    on gloo it is all-reduced whole and each holder keeps its segment, which sums in
@@ -48,7 +48,8 @@ from elastor_mcore.checkpoint.format import choose_entry
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.geometry import Box, Cell, boundaries
 from elastor_mcore.parallel.groups import GroupCache
-from elastor_mcore.runtime.grad_sync import GroupReduction, Refinement, grad_buffer
+from elastor_mcore.runtime.grad_sync import (BucketOrder, GroupReduction, Pending, Refinement,
+                                             grad_buffer)
 from elastor_mcore.runtime.optimizer import (
     STATE_BYTES_PER_ELEMENT, AdamWState, add_main_grad, adamw, lr_scheduler)
 
@@ -72,7 +73,8 @@ class ShardBucket:
     holders: tuple[int, ...]
     cells: tuple[Cell, ...]
     reduces: bool
-    """Held in several pipelines: gradients are summed across them."""
+    """Held in several stages (pipelines, or a tied embedding's first and last stage):
+    gradients are summed across them."""
     cuts: tuple[int, ...]
     """Flat offsets: holder ``i`` owns ``[cuts[i], cuts[i + 1])``."""
 
@@ -136,7 +138,7 @@ def row_cuts(cells: Sequence[Cell], parts: int, align: Sequence[int]) -> tuple[i
     return tuple(cuts)
 
 
-def shard_buckets(cells: Sequence[Cell], pipeline_of: dict[int, int],
+def shard_buckets(cells: Sequence[Cell], stage_of: dict[int, tuple[int, int]],
                   align: dict[str, int]) -> list[ShardBucket]:
     """Every replica set's bucket, sorted by holders (the global issue order); cells
     keep the refinement's order, as in the gradient reduction's buckets. ``align``:
@@ -144,7 +146,7 @@ def shard_buckets(cells: Sequence[Cell], pipeline_of: dict[int, int],
     by_holders: dict[tuple[int, ...], list[Cell]] = {}
     for cell in cells:
         by_holders.setdefault(cell.holders, []).append(cell)
-    return [ShardBucket(holders, tuple(group), len({pipeline_of[h] for h in holders}) > 1,
+    return [ShardBucket(holders, tuple(group), len({stage_of[h] for h in holders}) > 1,
                         row_cuts(group, len(holders), [align[c.key] for c in group]))
             for holders, group in sorted(by_holders.items())]
 
@@ -189,11 +191,24 @@ class ShardPlan:
         ``chunking`` is the checkpoint's (``runtime.state.chunk_policy``)."""
         refinement = Refinement.build(layout, model, world_group)
         align = chunk_rows(refinement.cells, refinement.shapes, chunking)
-        buckets = shard_buckets(refinement.cells, refinement.pipeline_of, align)
+        buckets = shard_buckets(refinement.cells, refinement.stage_of, align)
         for bucket in buckets:
             if len(bucket.holders) > 1:
                 cache.get(bucket.holders)
         return cls(refinement, buckets)
+
+
+def _issue_order(buckets: list[ShardBucket], order: BucketOrder | None) -> list[ShardBucket]:
+    """``buckets`` in ``order`` (each bucket whole; default: as given)."""
+    if order is None:
+        return buckets
+    by_holders = {b.holders: b for b in buckets}
+    runs = order({b.holders: list(b.cells) for b in buckets})
+    if sorted(h for h, _ in runs) != sorted(by_holders) or any(
+            len(cells) != len(by_holders[h].cells) for h, cells in runs):
+        raise ValueError("a ZeRO-1 bucket order must keep every replica set whole (one "
+                         "bucket each): give backward_order no max_numel")
+    return [by_holders[h] for h, _ in runs]
 
 
 @dataclass
@@ -204,7 +219,7 @@ class _Owned:
     group: dist.ProcessGroup | None
     index: int
     grads: list[torch.Tensor]        # this rank's gradient of each cell
-    contributes: bool                # this rank counts for its pipeline
+    contributes: bool                # this rank counts for its stage
     weights: list[torch.Tensor]      # this rank's weights of each cell
     fragments: list[Fragment]
     mains: list[torch.Tensor]        # fp32 main parameter of each fragment
@@ -220,20 +235,24 @@ class ZeroShards:
     gradient reduce-scatter, the norm and the weights' all-gather. The optimizer that
     steps the main parameters is the caller's (``DistributedOptimizer`` here, an adapter
     of Megatron's optimizer interface in ``integrations/megatron_lm``); every parameter's
-    gradient buffer (``grad_sync.grad_buffer``) must exist when it is built."""
+    gradient buffer (``grad_sync.grad_buffer``) must exist when it is built.
 
-    def __init__(self, plan: ShardPlan, cache: GroupCache, device: torch.device) -> None:
+    ``order`` (a ``grad_sync.BucketOrder`` that keeps each replica set whole) is the
+    order this rank issues its buckets' reductions in, and their all-gathers in
+    reverse; default: the plan's (sorted by holders)."""
+
+    def __init__(self, plan: ShardPlan, cache: GroupCache, device: torch.device,
+                 order: BucketOrder | None = None) -> None:
         rank = dist.get_rank()
         self.plan = plan
         self._buckets: list[_Owned] = []
         local = plan.refinement.local
-        pipeline_of = plan.refinement.pipeline_of
-        for bucket in plan.buckets:
+        stage_of = plan.refinement.stage_of
+        for bucket in _issue_order(plan.buckets, order):
             if rank not in bucket.holders:
                 continue
             pieces = [local[c.key] for c in bucket.cells]
-            first_in_pipeline = min(h for h in bucket.holders
-                                    if pipeline_of[h] == pipeline_of[rank])
+            first_in_stage = min(h for h in bucket.holders if stage_of[h] == stage_of[rank])
             fragments = bucket.fragments(rank)
             mains = [torch.empty(frag.box.shape, dtype=torch.float32, device=device)
                      for frag in fragments]
@@ -241,7 +260,7 @@ class ZeroShards:
             owned = _Owned(
                 bucket, group, bucket.holders.index(rank),
                 [p.view(grad_buffer(p.param), c.box) for p, c in zip(pieces, bucket.cells)],
-                rank == first_in_pipeline,
+                rank == first_in_stage,
                 [p.view(p.param.data, c.box) for p, c in zip(pieces, bucket.cells)],
                 fragments, mains,
                 torch.zeros(bucket.segment_numel, dtype=torch.float32, device=device))
@@ -260,7 +279,6 @@ class ZeroShards:
         """Every owned fragment with its fp32 main parameter, in buffer order."""
         return [(f, m) for b in self._buckets for f, m in zip(b.fragments, b.mains)]
 
-    @torch.no_grad()
     def reduce(self, native: bool | None = None) -> None:
         """Reduce-scatter every replica set's gradients into the owned segments.
 
@@ -272,18 +290,44 @@ class ZeroShards:
         losses match the unsharded run bit for bit, for the price of an all-reduce's
         traffic (CPU runs).
         """
-        for b in self._buckets:
-            flat = torch.cat([g.reshape(-1) for g in b.grads])
+        for index in range(len(self._buckets)):
+            self.finish(self.start(index, native))
+
+    def bucket_holders(self) -> list[tuple[int, ...]]:
+        """This rank's buckets' holder sets, in issue order."""
+        return [b.bucket.holders for b in self._buckets]
+
+    def bucket_parameters(self) -> list[list[torch.nn.Parameter]]:
+        """The parameters whose gradients (and weights) each of this rank's buckets
+        reads (and writes)."""
+        local = self.plan.refinement.local
+        return [list({id(p): p for p in (local[c.key].param for c in b.bucket.cells)}.values())
+                for b in self._buckets]
+
+    @torch.no_grad()
+    def start(self, index: int, native: bool | None = None) -> Pending:
+        """Start bucket ``index``'s reduction into the owned segment (asynchronous;
+        ``native`` as in ``reduce``)."""
+        b = self._buckets[index]
+        flat = torch.cat([g.reshape(-1) for g in b.grads])
+        if not b.bucket.reduces:
+            return Pending(index, flat, None)
+        if not b.contributes:
+            flat.zero_()
+        if native if native is not None else dist.get_backend(b.group) != "gloo":
+            return Pending(index, b.owned_grad, dist.reduce_scatter_tensor(
+                b.owned_grad, self._padded(b, flat), group=b.group, async_op=True))
+        return Pending(index, flat, dist.all_reduce(flat, group=b.group, async_op=True))
+
+    @torch.no_grad()
+    def finish(self, pending: Pending) -> None:
+        """Wait for a started reduction; the owned segment then holds its sum."""
+        b = self._buckets[pending.index]
+        if pending.work is not None:
+            pending.work.wait()
+        if pending.flat is not b.owned_grad:
             lo, hi = b.span
-            if b.bucket.reduces:
-                if not b.contributes:
-                    flat.zero_()
-                if native if native is not None else dist.get_backend(b.group) != "gloo":
-                    dist.reduce_scatter_tensor(b.owned_grad, self._padded(b, flat),
-                                               group=b.group)
-                    continue
-                dist.all_reduce(flat, group=b.group)
-            b.owned_grad[:hi - lo].copy_(flat[lo:hi])
+            b.owned_grad[:hi - lo].copy_(pending.flat[lo:hi])
 
     def reductions(self) -> list[GroupReduction]:
         """The gradient collectives of one step as ``GradientSynchronizer`` describes
@@ -323,27 +367,41 @@ class ZeroShards:
         for b in self._buckets:
             b.owned_grad.mul_(factor)
 
-    @torch.no_grad()
     def copy_main_to_model(self) -> None:
         """All-gather every replica set's main parameters, rounded to the weights'
         dtype, into the weights (after a step or a load)."""
-        for b in self._buckets:
-            dtype = b.weights[0].dtype
+        for index in reversed(range(len(self._buckets))):
+            self.finish_gather(self.start_gather(index))
+
+    @torch.no_grad()
+    def start_gather(self, index: int) -> Pending:
+        """Start the all-gather of bucket ``index``'s main parameters (asynchronous).
+        Buckets are gathered in the reverse of their reduction order: the order a
+        forward pass needs them in."""
+        b = self._buckets[index]
+        size = b.bucket.segment_numel
+        mine = torch.zeros(size, dtype=b.weights[0].dtype, device=b.owned_grad.device)
+        lo, hi = b.span
+        if b.mains:
+            mine[:hi - lo].copy_(torch.cat([m.reshape(-1) for m in b.mains]))
+        if b.group is None:
+            return Pending(index, mine, None)
+        gathered = mine.new_empty(size * len(b.bucket.holders))
+        return Pending(index, gathered,
+                       dist.all_gather_into_tensor(gathered, mine, group=b.group, async_op=True))
+
+    @torch.no_grad()
+    def finish_gather(self, pending: Pending) -> None:
+        """Wait for a started all-gather and write the parameters into the weights."""
+        b = self._buckets[pending.index]
+        flat = pending.flat
+        if pending.work is not None:
+            pending.work.wait()
             size = b.bucket.segment_numel
-            mine = torch.zeros(size, dtype=dtype, device=b.owned_grad.device)
-            lo, hi = b.span
-            if b.mains:
-                mine[:hi - lo].copy_(torch.cat([m.reshape(-1) for m in b.mains]))
-            if b.group is None:
-                flat = mine
-            else:
-                gathered = mine.new_empty(size * len(b.bucket.holders))
-                dist.all_gather_into_tensor(gathered, mine, group=b.group)
-                flat = torch.cat([gathered[i * size:i * size + e - a]
-                                  for i, (a, e) in enumerate(zip(b.bucket.cuts,
-                                                                 b.bucket.cuts[1:]))])
-            for weight, start in zip(b.weights, b.bucket.cell_offsets()):
-                weight.copy_(flat[start:start + weight.numel()].view(weight.shape))
+            flat = torch.cat([flat[i * size:i * size + e - a]
+                              for i, (a, e) in enumerate(zip(b.bucket.cuts, b.bucket.cuts[1:]))])
+        for weight, start in zip(b.weights, b.bucket.cell_offsets()):
+            weight.copy_(flat[start:start + weight.numel()].view(weight.shape))
 
     @torch.no_grad()
     def copy_model_to_main(self) -> None:

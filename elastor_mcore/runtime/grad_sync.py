@@ -3,11 +3,12 @@
 Semantics (``docs/architecture.md``): the loss is the mean over every token of the global batch, so
 each pipeline's gradient is a partial sum and the true gradient is their sum. We cut
 every global tensor into the cells of the common refinement of all ranks' shards
-(``geometry.common_refinement``). For a cell held in several pipelines, its holders
-all-reduce it in the group of exactly those holders; inside one pipeline the holders
-are TP replicas with identical gradients (norm weights), so only the lowest-ranked
-holder of each pipeline contributes and the others add zeros: each pipeline counts
-once. Cells that share a holder set are packed into one buffer and one all-reduce;
+(``geometry.common_refinement``). For a cell held in several stages (of several
+pipelines, or the first and last stage of one pipeline, which share a tied word
+embedding), its holders all-reduce it in the group of exactly those holders; inside one
+stage the holders are TP replicas with identical gradients (norm weights), so only the
+lowest-ranked holder of each stage contributes and the others add zeros: each stage
+counts once, and a tied embedding's two uses in one pipeline add up. Cells that share a holder set are packed into one buffer and one all-reduce;
 groups are created once, and every rank issues the reductions in the same global
 order (sorted holder sets), which keeps overlapping groups from deadlocking.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -50,7 +52,8 @@ class GroupReduction:
 @dataclass
 class _Piece:
     grad: torch.Tensor          # view of the cell in this rank's .grad
-    contributes: bool           # this rank's pipeline counts through this rank
+    contributes: bool           # this rank's stage counts through this rank
+    param: torch.nn.Parameter   # the parameter whose gradient ``grad`` is part of
 
 
 @dataclass
@@ -69,13 +72,56 @@ class _Bucket:
             sum(p.grad.nbytes for p in self.pieces if p.contributes))
 
 
-def reduction_plan(cells: list[Cell], pipeline_of: dict[int, int]):
-    """Cells held in more than one pipeline, grouped by holder set, sorted."""
+def reduction_plan(cells: list[Cell], stage_of: dict[int, tuple[int, int]]):
+    """Cells held in more than one stage, grouped by holder set, sorted."""
     plan: dict[tuple[int, ...], list[Cell]] = {}
     for cell in cells:
-        if len({pipeline_of[h] for h in cell.holders}) > 1:
+        if len({stage_of[h] for h in cell.holders}) > 1:
             plan.setdefault(cell.holders, []).append(cell)
     return dict(sorted(plan.items()))
+
+
+Run = tuple[tuple[int, ...], list[Cell]]
+"""One bucket of a reduction: a holder set and cells of it, reduced together."""
+
+BucketOrder = Callable[[dict[tuple[int, ...], list[Cell]]], list[Run]]
+"""A reduction plan's buckets in the one order every rank issues them (computed from
+the plan alone, so every rank computes the same); default: one bucket per holder set,
+sorted by holders."""
+
+
+def backward_order(position: Callable[[str], float], max_numel: int | None = None
+                   ) -> BucketOrder:
+    """Buckets for reductions started during the backward pass, as each becomes ready:
+    each holder set's cells in the order a backward pass finishes them (descending
+    ``position`` of their key, e.g. its layer), cut into buckets of at most
+    ``max_numel`` elements (cells are not cut; None: one bucket per holder set); the
+    buckets ordered by when a backward pass finishes them (their lowest position,
+    last first). Every rank issues them in this order, which keeps collectives on
+    overlapping groups from waiting on each other in a cycle (NCCL needs that)."""
+    def order(plan: dict[tuple[int, ...], list[Cell]]) -> list[Run]:
+        runs: list[tuple[float, tuple[int, ...], int, list[Cell]]] = []
+        for holders, cells in plan.items():
+            run: list[Cell] = []
+            numel = 0
+            for cell in sorted(cells, key=lambda c: -position(c.key)):
+                if run and max_numel is not None and numel + cell.box.numel > max_numel:
+                    runs.append((-position(run[-1].key), holders, len(runs), run))
+                    run, numel = [], 0
+                run.append(cell)
+                numel += cell.box.numel
+            runs.append((-position(run[-1].key), holders, len(runs), run))
+        return [(holders, run) for _, holders, _, run in sorted(runs, key=lambda r: r[:3])]
+    return order
+
+
+@dataclass
+class Pending:
+    """A bucket's collective in flight (``start``); ``finish`` completes it."""
+
+    index: int
+    flat: torch.Tensor
+    work: Any                   # torch.distributed's Work, or None (nothing to wait for)
 
 
 @dataclass(frozen=True)
@@ -99,7 +145,7 @@ class Refinement:
 
     cells: list[Cell]
     shapes: dict[str, tuple[int, ...]]   # global shape of every key
-    pipeline_of: dict[int, int]
+    stage_of: dict[int, tuple[int, int]]  # rank -> (pipeline, stage)
     local: dict[str, LocalPiece]
 
     @classmethod
@@ -112,7 +158,8 @@ class Refinement:
         shapes = {i.key: i.global_shape for held in gathered.values() for i in held}
         local = {info.key: LocalPiece(st.data, owning_parameter(model, st.data), info)
                  for st, info in zip(shards, infos)}
-        return cls(cells, shapes, {r: layout.position(r).pipeline for r in layout.ranks},
+        positions = {r: layout.position(r) for r in layout.ranks}
+        return cls(cells, shapes, {r: (p.pipeline, p.stage) for r, p in positions.items()},
                    local)
 
 
@@ -125,60 +172,74 @@ def broadcast_replicas(layout: Layout, model: torch.nn.Module | None, cache: Gro
     Pipelines of different shapes initialise a layer at different positions of their
     random streams (Megatron seeds by pipeline rank and draws layer by layer), so their
     replicas of one layer start out different; the gradient sums keep replicas equal
-    only if they start equal. Returns the elements this rank received."""
+    only if they start equal. A tied word embedding's copy on a last stage (Megatron
+    fills it with zeros and copies the first stage's over its embedding group, here one
+    rank) takes its lowest-ranked holder's on a first stage. Returns the elements this
+    rank received."""
     rank = dist.get_rank()
     refinement = Refinement.build(layout, model, world_group)
+    stage_of = refinement.stage_of
     received = 0
-    for holders, cells in reduction_plan(refinement.cells, refinement.pipeline_of).items():
+    for holders, cells in reduction_plan(refinement.cells, stage_of).items():
         group = cache.get(holders)
         if model is None or rank not in holders:
             continue
         views = [refinement.local[c.key].view(refinement.local[c.key].param.data, c.box)
                  for c in cells]
         flat = torch.cat([v.reshape(-1) for v in views])
-        dist.broadcast(flat, src=holders[0], group=group)
+        source = _source(holders, stage_of)
+        dist.broadcast(flat, src=source, group=group)
         offset = 0
         for view in views:
             view.copy_(flat[offset:offset + view.numel()].view_as(view))
             offset += view.numel()
-        if rank != holders[0]:
+        if rank != source:
             received += flat.numel()
     return received
 
 
+def _source(holders: tuple[int, ...], stage_of: dict[int, tuple[int, int]]) -> int:
+    """The holder whose value every holder of a cell starts from: the lowest-ranked,
+    or where two stages of one pipeline hold it (a tied embedding), the lowest-ranked
+    on a first stage."""
+    stages = {stage_of[h] for h in holders}
+    if len(stages) == len({pipeline for pipeline, _ in stages}):
+        return holders[0]
+    return min(h for h in holders if stage_of[h][1] == 0)
+
+
 class GradientSynchronizer:
-    """Built once per layout on every world rank (group creation is collective)."""
+    """Built once per layout on every world rank (group creation is collective).
+    ``order`` decides the buckets and the order they are issued in (``BucketOrder``)."""
 
     def __init__(self, layout: Layout, model: torch.nn.Module | None, cache: GroupCache,
-                 world_group=None) -> None:
+                 world_group=None, order: BucketOrder | None = None) -> None:
         rank = dist.get_rank()
         refinement = Refinement.build(layout, model, world_group)
-        cells, pipeline_of = refinement.cells, refinement.pipeline_of
-        plan = reduction_plan(cells, pipeline_of)
+        cells, stage_of = refinement.cells, refinement.stage_of
+        plan = reduction_plan(cells, stage_of)
         self._buckets: list[_Bucket] = []
         self._norm_views: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
+        for holders in plan:
+            cache.get(holders)
         if model is None:
-            for holders in plan:
-                cache.get(holders)
             return
         for p in model.parameters():
             if grad_buffer(p) is None:
                 p.grad = torch.zeros_like(p)
         self._grads = [grad_buffer(p) for p in model.parameters()]
         local = refinement.local
-        for holders, bucket_cells in plan.items():
-            group = cache.get(holders)
+        for holders, bucket_cells in (order(plan) if order else plan.items()):
             if rank not in holders:
                 continue
             pieces = []
             for cell in bucket_cells:
                 piece = local[cell.key]
-                first_in_pipeline = min(h for h in holders
-                                        if pipeline_of[h] == pipeline_of[rank])
+                first_in_stage = min(h for h in holders if stage_of[h] == stage_of[rank])
                 pieces.append(_Piece(piece.view(grad_buffer(piece.param), cell.box),
-                                     contributes=rank == first_in_pipeline))
-            self._buckets.append(_Bucket(holders, group, pieces))
+                                     rank == first_in_stage, piece.param))
+            self._buckets.append(_Bucket(holders, cache.get(holders), pieces))
         for cell in cells:
             if cell.holders[0] == rank:
                 piece = local[cell.key]
@@ -190,20 +251,38 @@ class GradientSynchronizer:
         """This rank's all-reduces of one step, in the order it issues them."""
         return [bucket.describe() for bucket in self._buckets]
 
+    def bucket_holders(self) -> list[tuple[int, ...]]:
+        """This rank's buckets' holder sets, in issue order."""
+        return [bucket.holders for bucket in self._buckets]
+
+    def bucket_parameters(self) -> list[list[torch.nn.Parameter]]:
+        """The parameters whose gradients each of this rank's buckets reads."""
+        return [list({id(p.param): p.param for p in b.pieces}.values()) for b in self._buckets]
+
     @torch.no_grad()
+    def start(self, index: int) -> Pending:
+        """Start the all-reduce of bucket ``index`` (asynchronous)."""
+        bucket = self._buckets[index]
+        flat = torch.cat([p.grad.reshape(-1) if p.contributes
+                          else torch.zeros(p.grad.numel(), dtype=p.grad.dtype,
+                                           device=p.grad.device)
+                          for p in bucket.pieces])
+        return Pending(index, flat, dist.all_reduce(flat, group=bucket.group, async_op=True))
+
+    @torch.no_grad()
+    def finish(self, pending: Pending) -> None:
+        """Wait for a started bucket and write the sums into the gradients."""
+        pending.work.wait()
+        offset = 0
+        for p in self._buckets[pending.index].pieces:
+            n = p.grad.numel()
+            p.grad.copy_(pending.flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
     def reduce(self) -> None:
         """Sum gradients across pipelines (in place, in the global bucket order)."""
-        for bucket in self._buckets:
-            flat = torch.cat([p.grad.reshape(-1) if p.contributes
-                              else torch.zeros(p.grad.numel(), dtype=p.grad.dtype,
-                                               device=p.grad.device)
-                              for p in bucket.pieces])
-            dist.all_reduce(flat, group=bucket.group)
-            offset = 0
-            for p in bucket.pieces:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+        for index in range(len(self._buckets)):
+            self.finish(self.start(index))
 
     @torch.no_grad()
     def global_norm(self, active_group) -> float:

@@ -115,3 +115,28 @@ def rss_peak_bytes() -> int:
 
 def device_peak_bytes(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def memory_table(reports: list[RankMemory], when: str = "after step 1") -> list[str]:
+    """``--report-memory``'s table: each rank's measured memory beside the planner's
+    prediction for its stage, in MiB, and how far apart the totals are."""
+    mib = 2**20
+    kinds = ("weights", "gradients", "optimizer", "activations")
+    device = reports[0].device_peak is not None
+    lines = [f"memory per rank {when}, measured / planner (MiB); activations: peak "
+             f"saved for backward; RSS: the process's high-water, libraries included:",
+             f"  {'rank':>4}  {'stage':<11}" + "".join(f"{k:>20}" for k in kinds)
+             + f"{'total':>20}{'RSS':>9}" + (f"{'CUDA peak':>11}" if device else "")]
+    for m in reports:
+        line = f"  {m.rank:>4}  {m.where:<11}"
+        for kind in (*kinds, "total"):
+            measured = getattr(m.measured, kind) / mib
+            predicted = f"{getattr(m.predicted, kind) / mib:8.3f}" if m.predicted else "       -"
+            line += f"  {measured:8.3f} /{predicted}"
+        line += f"{m.rss_peak / mib:9.0f}"
+        if m.device_peak is not None:
+            line += f"{m.device_peak / mib:11.1f}"
+        if m.predicted:
+            line += f"   total {m.measured.total / m.predicted.total - 1:+.0%}"
+        lines.append(line)
+    return lines

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
 from typing import Callable, Iterator
 
@@ -178,6 +179,31 @@ def _training(module) -> None:
     torch.cuda.Stream = lambda *args, **kwargs: _NoStream()
     torch.cuda.current_stream = lambda *args, **kwargs: _NoStream()
     torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    if os.environ.get(WEIGHTS_DIR_ENV):
+        module.train = _dumping_weights(module.train, os.environ[WEIGHTS_DIR_ENV])
+
+
+WEIGHTS_DIR_ENV = "ELASTOR_TEST_WEIGHTS_DIR"
+"""Not a CUDA shim but test instrumentation: with this set, every rank saves its model's
+parameters, by name, to ``<dir>/rank<R>.pt`` when Megatron-LM's ``train`` returns (the
+tests compare replicas that no checkpoint keeps apart, e.g. the norms of TP ranks)."""
+
+
+def _dumping_weights(train: Callable, directory: str) -> Callable:
+    @functools.wraps(train)
+    def train_and_dump(forward_step_func, model, *args, **kwargs):
+        result = train(forward_step_func, model, *args, **kwargs)
+        import torch
+        import torch.distributed as dist
+        from megatron.core.utils import unwrap_model
+
+        chunks = model if isinstance(model, list) else [model]
+        weights = {name: param.detach().clone() for chunk in chunks
+                   for name, param in unwrap_model(chunk).named_parameters()}
+        os.makedirs(directory, exist_ok=True)
+        torch.save(weights, os.path.join(directory, f"rank{dist.get_rank()}.pt"))
+        return result
+    return train_and_dump
 
 
 @after_import("megatron.core.datasets.utils")
@@ -210,6 +236,25 @@ def _training_utils(module) -> None:
     # CUDA_DEVICE_MAX_CONNECTIONS=1) apply.
     module.get_device_arch_version = lambda: 9
 
+
+
+@after_import("megatron.core.transformer.torch_norm")
+def _torch_norm(module) -> None:
+    # torch_norm.py:32 (mcore 0.16.1; :50 at 0.19.2) `assert not config.sequence_parallel`:
+    # mcore's local spec (the only one without Transformer Engine or Apex, i.e. on every
+    # CPU) has no sequence-parallel norm. Under --sequence-parallel the RMSNorm is
+    # `elastor train`'s (runtime/model.py), whose weight is marked `sequence_parallel`
+    # as TE's and Apex's are, so that its gradient is summed over the TP group.
+    from elastor_mcore.runtime.model import SequenceParallelRMSNorm
+
+    original = module.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if config.sequence_parallel and config.normalization == "RMSNorm":
+            return SequenceParallelRMSNorm(config, hidden_size, eps)
+        return original(cls, config, hidden_size, eps, *args, **kwargs)
+
+    module.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
 @after_import("megatron.core.optimizer.distrib_optimizer")

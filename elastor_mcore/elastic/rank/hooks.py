@@ -74,7 +74,9 @@ class ElasticHooks(StepHooks):
 
     def recovering(self, step: int) -> None:
         """Silent through a recovery in place: the generous limit applies until the
-        next step (``heartbeat.HangPolicy``)."""
+        next step (``heartbeat.HangPolicy``), whose timeout then follows the new
+        layout's step times."""
+        self.heartbeat.new_layout()
         self.heartbeat.beat(step - 1, stepping=False)
 
 

@@ -41,9 +41,10 @@ import torch.distributed as dist
 from elastor_mcore import planner
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.run import RunSettings
+from elastor_mcore.elastic.job import renumbered
 from elastor_mcore.elastic.protocol import EVENTS_FILE, HEARTBEAT_DIR, append_event, read_beats
 from elastor_mcore.elastic.rank.hooks import ElasticHooks
-from elastor_mcore.elastic.supervisor import process_running, torchrun_layout
+from elastor_mcore.elastic.supervisor import process_running
 from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.parallel.teardown import leave_groups
 from elastor_mcore.runtime.hooks import Recovery, Regroup
@@ -159,8 +160,9 @@ class InPlaceRecovery(Recovery):
             return Decision(epoch, step, None, [], {}, lost, "", (
                 f"the {len(alive)} surviving slots {alive} cannot hold the model: {exc}"),
                 time.perf_counter() - start, None)
-        ranked, slots = torchrun_layout(chosen.layout)
-        slots = (*slots, *(s for s in alive if s not in slots))  # idle ones last
+        ranked = renumbered(chosen.layout, chosen.layout.ranks)
+        slots = (*chosen.layout.ranks,
+                 *(s for s in alive if s not in chosen.layout.ranks))  # idle ones last
         rank_of_slot = {self.slots[r]: r for r in survivors}
         ranks = {str(rank_of_slot[slot]): new for new, slot in enumerate(slots)}
         decision = Decision(epoch, step, ranked.to_dict(), list(slots), ranks, lost,

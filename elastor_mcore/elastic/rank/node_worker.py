@@ -16,12 +16,11 @@ STARTED_AT = time.time()
 """When this worker began (before its imports): the relaunch phase starts here."""
 
 import argparse
-import json
 import logging
 import os
 import sys
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -30,10 +29,10 @@ from elastor_mcore.compat.process import die_with_parent
 from elastor_mcore.config.launch import RoundSettings
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.config.run import RunSettings
-from elastor_mcore.elastic.protocol import OUTCOME_FILE, ROUNDS_FILE
+from elastor_mcore.elastic.job import Trainer
 from elastor_mcore.elastic.rank.hooks import from_settings
-from elastor_mcore.elastic.rank.rendezvous_round import (NodeContext, RoundPlan, agree,
-                                                         mark_done, wait_done)
+from elastor_mcore.elastic.rank.rendezvous_round import (
+    NodeContext, RoundPlan, agree, mark_done, record_round, wait_done, write_outcome)
 from elastor_mcore.elastic.rank.worker import MetricsPrinter, init_distributed
 from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.planner import load_hardware
@@ -48,12 +47,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[RunSettings, RoundSetting
     RoundSettings.add_arguments(parser, "node-worker")
     args = parser.parse_args(argv)
     return RunSettings.from_args(args, "worker"), RoundSettings.from_args(args, "node-worker")
-
-
-def write_outcome(ctx: NodeContext, finished: bool, reason: str) -> None:
-    if ctx.local_rank == 0:
-        (ctx.node_dir / OUTCOME_FILE).write_text(
-            json.dumps({"finished": finished, "reason": reason}) + "\n")
 
 
 def run_round(ctx: NodeContext, settings: RunSettings, plan: RoundPlan, recipe) -> None:
@@ -95,11 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(settings.recipe)
     init_distributed()
     try:
-        plan = agree(ctx, recipe, load_hardware(settings.hardware), settings.save_dir,
-                     round_settings.use_all_slots, STARTED_AT)
-        if ctx.local_rank == 0:
-            with open(ctx.node_dir / ROUNDS_FILE, "a") as f:
-                f.write(json.dumps(asdict(plan)) + "\n")
+        plan = agree(ctx, Trainer(settings), recipe, load_hardware(settings.hardware),
+                     settings.save_dir, round_settings.use_all_slots, STARTED_AT)
+        record_round(ctx, plan)
         if plan.layout is None:
             write_outcome(ctx, False, plan.reason)
             return 0

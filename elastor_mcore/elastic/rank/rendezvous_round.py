@@ -20,10 +20,11 @@ A device's number for the planner is ``node_index * max_local_slots + local_slot
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,12 @@ import torch.distributed as dist
 import yaml
 
 from elastor_mcore import planner
-from elastor_mcore.checkpoint import latest_step
 from elastor_mcore.config.launch import RoundSettings
 from elastor_mcore.config.recipe import Recipe
+from elastor_mcore.elastic.job import Workload, latest_readable
 from elastor_mcore.elastic.probe import probe_cuda
-from elastor_mcore.elastic.protocol import EVENTS_FILE, ROUNDS_DIR, read_events
+from elastor_mcore.elastic.protocol import (EVENTS_FILE, OUTCOME_FILE, ROUNDS_DIR,
+                                            ROUNDS_FILE, read_events)
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +139,16 @@ def dead_slots(ctx: NodeContext) -> set[int]:
     return dead
 
 
+def unreadable_steps(ctx: NodeContext) -> set[int]:
+    """Committed steps a round of this node failed to load (its ranks reported
+    ``load_failed``): the next rounds resume from an earlier one."""
+    path = ctx.node_dir / ROUNDS_FILE
+    records = [json.loads(line) for line in path.read_text().splitlines()] \
+        if path.is_file() else []
+    return {r["resumed_from"] for r in records if r["resumed_from"] is not None
+            and read_events(ctx.round_dir(r["round"]) / EVENTS_FILE, "load_failed")}
+
+
 def check_device(ctx: NodeContext, started_at: float) -> Member:
     """This rank's report: its slot's health (probed on CUDA)."""
     start = time.perf_counter()
@@ -158,15 +170,17 @@ def planner_slots(members: list[Member]) -> tuple[dict[int, int], int]:
             per_node)
 
 
-def plan_round(members: list[Member], recipe: Recipe, hardware: planner.HardwareProfile,
-               checkpoint_dir: str, use_all: bool, number: int) -> RoundPlan:
-    """Rank 0's decision: the fastest layout on the healthy devices, on round ranks."""
+def plan_round(members: list[Member], workload: Workload, recipe: Recipe,
+               hardware: planner.HardwareProfile, checkpoint_dir: str, use_all: bool,
+               number: int, unreadable: set[int]) -> RoundPlan:
+    """Rank 0's decision: the fastest layout on the healthy devices that the workload
+    runs, on round ranks, resuming from the latest committed step not ``unreadable``."""
     start = time.perf_counter()
     rank_of, per_node = planner_slots(members)
-    resumed = latest_step(checkpoint_dir)
+    resumed = latest_readable(workload.committed_steps(checkpoint_dir), unreadable)
     try:
-        chosen = planner.plan(recipe, hardware, rank_of, gpus_per_node=per_node,
-                              use_all=use_all)
+        chosen = workload.plan(recipe, hardware, sorted(rank_of), gpus_per_node=per_node,
+                               use_all=use_all)
     except planner.PlannerError as exc:
         healthy = [(m.node, m.slot) for m in members if m.healthy]
         return RoundPlan(number, None, "", f"gave up: the {len(healthy)} healthy devices "
@@ -180,8 +194,9 @@ def plan_round(members: list[Member], recipe: Recipe, hardware: planner.Hardware
                      time.time(), resumed, members, chosen.step_s)
 
 
-def agree(ctx: NodeContext, recipe: Recipe, hardware: planner.HardwareProfile,
-          checkpoint_dir: str, use_all: bool, started_at: float) -> RoundPlan:
+def agree(ctx: NodeContext, workload: Workload, recipe: Recipe,
+          hardware: planner.HardwareProfile, checkpoint_dir: str, use_all: bool,
+          started_at: float) -> RoundPlan:
     """Every rank of the round calls this inside the round's world; all get one plan."""
     me = check_device(ctx, started_at)
     members: list = [None] * dist.get_world_size()
@@ -189,9 +204,24 @@ def agree(ctx: NodeContext, recipe: Recipe, hardware: planner.HardwareProfile,
     decided: list = [None]
     if dist.get_rank() == 0:
         number = ctx.store().add(ctx.key("rounds"), 1)
-        decided[0] = plan_round(members, recipe, hardware, checkpoint_dir, use_all, number)
+        decided[0] = plan_round(members, workload, recipe, hardware, checkpoint_dir,
+                                use_all, number, unreadable_steps(ctx))
     dist.broadcast_object_list(decided, src=0)
     return decided[0]
+
+
+def record_round(ctx: NodeContext, plan: RoundPlan) -> None:
+    """The node's local rank 0 appends the round's plan to ``rounds.jsonl``."""
+    if ctx.local_rank == 0:
+        with open(ctx.node_dir / ROUNDS_FILE, "a") as f:
+            f.write(json.dumps(asdict(plan)) + "\n")
+
+
+def write_outcome(ctx: NodeContext, finished: bool, reason: str) -> None:
+    """How the job ended, for this node's launcher (local rank 0 writes it)."""
+    if ctx.local_rank == 0:
+        (ctx.node_dir / OUTCOME_FILE).write_text(
+            json.dumps({"finished": finished, "reason": reason}) + "\n")
 
 
 def mark_done(ctx: NodeContext, number: int) -> None:

@@ -1,6 +1,6 @@
 """Entry point of every training rank: ``torchrun ... -m elastor_mcore.elastic.rank.worker``.
 
-``elastor train``, ``elastor demo`` and the supervisor (``elastic.job.TRAINER``)
+``elastor train``, ``elastor demo`` and the supervisor (``elastic.job.Trainer``)
 validate everything and then start this module through torchrun, with the argv of the
 run settings (``RunSettings.to_argv("worker")``); it is not meant to be run by hand.
 """
@@ -32,6 +32,7 @@ from elastor_mcore.elastic.rank.hooks import ElasticHooks, from_settings
 from elastor_mcore.elastic.rank.inplace import InPlaceRecovery
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.planner import measured_step_s
+from elastor_mcore.runtime.memory import memory_table
 from elastor_mcore.runtime.train import (Prediction, RunConfig, StepMetrics, device_for_rank,
                                          predict_step, train)
 
@@ -129,27 +130,8 @@ def print_memory(reports) -> None:
 
 
 def print_peak_memory(reports) -> None:
-    """``--report-memory``, after the first step: each rank's measured memory beside
-    the planner's prediction for its stage, in MiB, and how far apart the totals are."""
-    mib = 2**20
-    kinds = ("weights", "gradients", "optimizer", "activations")
-    print("memory per rank after step 1, measured / planner (MiB); activations: peak "
-          "saved for backward; RSS: the process's high-water, libraries included:",
-          flush=True)
-    print(f"  {'rank':>4}  {'stage':<11}" + "".join(f"{k:>20}" for k in kinds)
-          + f"{'total':>20}{'RSS':>9}" + (f"{'CUDA peak':>11}" if reports[0].device_peak
-                                          is not None else ""), flush=True)
-    for m in reports:
-        line = f"  {m.rank:>4}  {m.where:<11}"
-        for kind in (*kinds, "total"):
-            measured = getattr(m.measured, kind) / mib
-            predicted = f"{getattr(m.predicted, kind) / mib:8.3f}" if m.predicted else "       -"
-            line += f"  {measured:8.3f} /{predicted}"
-        line += f"{m.rss_peak / mib:9.0f}"
-        if m.device_peak is not None:
-            line += f"{m.device_peak / mib:11.1f}"
-        if m.predicted:
-            line += f"   total {m.measured.total / m.predicted.total - 1:+.0%}"
+    """``--report-memory``, after the first step: ``memory.memory_table``."""
+    for line in memory_table(reports):
         print(line, flush=True)
 
 

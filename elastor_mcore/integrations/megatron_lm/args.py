@@ -27,10 +27,11 @@ from elastor_mcore.checkpoint import ChunkPolicy
 from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
 from elastor_mcore.compat.mcore import set_tensor_parallel_args
 from elastor_mcore.integrations.megatron_lm import hooks, training
-from elastor_mcore.integrations.megatron_lm.installation import CKPT_FORMATS, ElastorOptions
+from elastor_mcore.integrations.megatron_lm.installation import (
+    CKPT_FORMATS, ElastorOptions, Installation)
 from elastor_mcore.integrations.megatron_lm.translate import (
     apply_layout_args, check_checkpoint_flags, explicit_flags, llama_differences,
-    recipe_from_args)
+    recipe_from_args, requested_sequence_parallel)
 from elastor_mcore.parallel.groups import RankGroups
 from elastor_mcore.parallel.layout import Layout, LayoutError, load_layout, mcore_pipeline_layout
 
@@ -56,6 +57,14 @@ def add_elastor_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                        help="TP degrees that later layouts may load the checkpoint with; "
                             "inner chunks are cut so each one reads whole chunks "
                             "(default: every TP degree the model allows)")
+    group.add_argument("--elastor-report-memory", action="store_true",
+                       help="with --elastor-layout: log every rank's memory in the second "
+                            "training step (weights, gradients, optimizer state, "
+                            "activations saved for backward) beside the planner's "
+                            "prediction for its stage")
+    group.add_argument("--elastor-hardware", default=None, metavar="PROFILE",
+                       help="hardware profile of --elastor-report-memory's prediction "
+                            "(default: the shipped CPU profile on CPU, none on GPUs)")
     _derive_from_layout_on_parse(parser)
     return parser
 
@@ -68,9 +77,16 @@ def _derive_from_layout_on_parse(parser: argparse.ArgumentParser) -> None:
 
     def parse_known_args(args: Sequence[str] | None = None, namespace=None):
         parsed, extras = original(args, namespace)
+        # Megatron-LM's validation turns it off where TP is 1, as it is on a
+        # heterogeneous layout until each rank knows its stage (adapt_args).
+        parsed.elastor_sequence_parallel = bool(parsed.sequence_parallel)
         argv = list(sys.argv[1:] if args is None else args)
         try:
             check_checkpoint_flags(parsed)
+            if parsed.elastor_report_memory and not parsed.elastor_layout:
+                raise ValueError("--elastor-report-memory compares each rank with the "
+                                 "planner's stage of --elastor-layout; add --elastor-layout "
+                                 "(a shorthand such as dp2-tp2-pp1 for Megatron's grid)")
             if parsed.elastor_layout:
                 layout = apply_layout_args(parsed, explicit_flags(argv),
                                            int(os.environ.get("WORLD_SIZE", "1")))
@@ -122,7 +138,10 @@ def options_from_args(args: argparse.Namespace, vocab_size: int | None = None) -
     return ElastorOptions(
         layout=layout, ckpt_format=args.elastor_ckpt_format,
         save=ZarrSaveSettings(chunking=ChunkPolicy(split_sizes=split),
-                              keep=args.elastor_ckpt_keep, manifest_extra=extra))
+                              keep=args.elastor_ckpt_keep, manifest_extra=extra),
+        sequence_parallel=recipe.training.sequence_parallel,
+        report_memory=getattr(args, "elastor_report_memory", False),
+        hardware=getattr(args, "elastor_hardware", None))
 
 
 def adapt_args(args: argparse.Namespace, groups: RankGroups | None, layout: Layout) -> None:
@@ -133,7 +152,9 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None, layout: Layo
             f"every rank; start exactly the ranks the layout uses ({layout.num_gpus})")
     pipeline = layout.pipelines[groups.position.pipeline]
     stage_layers = [s.layers for s in pipeline.stages]
-    set_tensor_parallel_args(args, pipeline.stages[groups.position.stage].tp)
+    tp = pipeline.stages[groups.position.stage].tp
+    set_tensor_parallel_args(args, tp)
+    args.sequence_parallel = requested_sequence_parallel(args) and tp > 1  # Megatron's rule
     args.pipeline_model_parallel_size = len(stage_layers)
     if args.data_parallel_size != len(groups.dp_ranks):  # the rank's exact replicas
         from megatron.core.num_microbatches_calculator import (
@@ -152,11 +173,12 @@ def adapt_args(args: argparse.Namespace, groups: RankGroups | None, layout: Layo
         args, _tokenizer_vocab_size()).model.padded_vocab_size
 
 
-def install_hooks() -> None:
+def install_hooks() -> Installation:
     """The call ``patches/`` add before ``pretrain``: ``hooks.install`` with options
-    from Megatron-LM's parsed arguments when first needed."""
+    from Megatron-LM's parsed arguments when first needed. Calling it again keeps the
+    installation (and its ``observer``)."""
     from megatron.training import get_args
 
-    hooks.install(lambda: options_from_args(get_args(), _tokenizer_vocab_size()),
-                  on_parallel_state=lambda groups, layout: adapt_args(get_args(), groups,
-                                                                       layout))
+    return hooks.install(
+        lambda: options_from_args(get_args(), _tokenizer_vocab_size()),
+        on_parallel_state=lambda groups, layout: adapt_args(get_args(), groups, layout))

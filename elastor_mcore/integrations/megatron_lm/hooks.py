@@ -20,11 +20,16 @@ A run, in order (``docs/megatron-lm.md`` has the same list as a table):
 2. Parallel state: ``initialize_model_parallel`` installs the layout's groups, then
    rewrites each rank's arguments to its stage.
 3. Model and optimizer: the model config is rebuilt from the adapted arguments,
-   replicas are made equal and ZeRO-1 spans pipelines.
-4. Loading (``--load``): the tracker and checkpoint on object storage, zarr
-   checkpoints read, per-layer keys.
-5. Training: data per pipeline, Elastor's schedule, the global gradient norm.
-6. Saving (``--save``): zarr, foreground or async, to a directory or ``s3://``.
+   replicas are made equal and ZeRO-1 spans pipelines (its all-gather driven through
+   the model chunk under ``--overlap-param-gather``).
+4. Loading (``--load``): the load timed, a failed one reported (``loop.py``), the
+   tracker and checkpoint on object storage, zarr checkpoints read, per-layer keys.
+5. Training: data per pipeline, Elastor's schedule (sequence parallelism, the
+   reduction overlapping the backward), every iteration reported to a launcher
+   watching the job (``loop.py``), the global gradient norm, evaluations, the memory
+   report.
+6. Saving (``--save``): zarr, foreground or async, to a directory or ``s3://``; the
+   launcher hears each save begin and end.
 
 The state every replacement shares is one ``installation.Installation``; its options
 are read on first use (Megatron-LM parses its arguments after ``install``).
@@ -37,7 +42,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from elastor_mcore.integrations.megatron_lm import object_storage, training, zarr_format
+from elastor_mcore.integrations.megatron_lm import loop, object_storage, training, zarr_format
 from elastor_mcore.integrations.megatron_lm.installation import (
     ElastorOptions, Installation, OnParallelState)
 from elastor_mcore.parallel.groups import GroupCache, build_groups, install as install_groups
@@ -101,15 +106,17 @@ PATCHES: tuple[Patch, ...] = (
     Patch("megatron.training.arguments", "validate_args", stateless(training.wrap_validate),
           "parse_and_validate_args, before pretrain (core_v0.19.0)",
           "a heterogeneous layout's placeholder TP 1 x PP 1 is validated as one rank, so "
-          "its data-parallel size (1) divides any global batch"),
+          "its data-parallel size (1) divides any global batch (--sequence-parallel, which "
+          "it turns off at TP 1, comes back on the stages of TP > 1 in adapt_args)"),
     Patch("megatron.training.initialize", "validate_args", stateless(training.wrap_validate),
           "initialize_megatron, inside pretrain (core_v0.16.1)", "the same"),
     # 2. parallel state
     Patch("megatron.core.parallel_state", "initialize_model_parallel", wrap_initialize,
           "initialize_megatron, once torch.distributed is up",
           "the layout's groups instead of Megatron's uniform grid; then this rank's "
-          "arguments become its stage's (TP, PP, layers per stage, data-parallel size, "
-          "micro-batch count, layout-independent vocabulary padding; args.adapt_args)",
+          "arguments become its stage's (TP, PP, sequence parallelism, layers per stage, "
+          "data-parallel size, micro-batch count, layout-independent vocabulary padding; "
+          "args.adapt_args)",
           megatron_lm=False),
     # 3. model and optimizer
     Patch(_TRAINING, "setup_model_and_optimizer", training.wrap_setup_model,
@@ -119,9 +126,15 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_TRAINING, "get_megatron_optimizer", training.wrap_get_optimizer,
           "setup_model_and_optimizer, once the model exists",
           "heterogeneous: every weight held in several pipelines takes its lowest-ranked "
-          "holder's initial values; --use-distributed-optimizer becomes ZeRO-1 across "
-          "pipelines (zero_optimizer.py)"),
+          "holder's initial values (a tied embedding's last-stage copy a first stage's); "
+          "--use-distributed-optimizer becomes ZeRO-1 across pipelines (zero_optimizer.py); "
+          "under --overlap-param-gather the model chunk's start_param_sync and forward "
+          "pre-hook switches become ZeRO-1's all-gather (overlap.py)"),
     # 4. loading
+    Patch(_TRAINING, "load_checkpoint", loop.wrap_load,
+          "setup_model_and_optimizer, with --load",
+          "the load timed for a launcher watching the job, a failed load reported to it "
+          "(which then resumes from the iteration before)"),
     Patch(_CKPT, "isfile", stateless(object_storage.wrap_isfile),
           "load_checkpoint: does the tracker exist (core_v0.16.1)", _TRACKER),
     Patch(_CKPT, "open_file", stateless(object_storage.wrap_open),
@@ -161,15 +174,27 @@ PATCHES: tuple[Patch, ...] = (
           "pretrain, after the model",
           "heterogeneous: each pipeline reads its slice of every global batch"),
     Patch(_TRAINING, "train", training.wrap_train, "pretrain, once",
-          "heterogeneous: refuses several optimizers (the global norm is given to one)"),
+          "heterogeneous: refuses several optimizers (the global norm is given to one); "
+          "--elastor-report-memory: keeps the optimizer for the report"),
     Patch(_TRAINING, "get_forward_backward_func", training.wrap_schedule_getter,
           "every step",
-          "heterogeneous: Elastor's 1F1B with its P2P between stages of different TP and "
-          "the gradient reduction across pipelines"),
+          "heterogeneous: Elastor's 1F1B with its P2P between stages of different TP "
+          "(sequence-parallel rows re-split) and the gradient reduction across pipelines "
+          "(started during the backward under --overlap-grad-reduce); "
+          "--elastor-report-memory: step 2 measured beside the planner (any layout)"),
+    Patch(_TRAINING, "train_step", loop.wrap_train_step, "every iteration",
+          "a launcher watching the job hears every iteration begin and end, with its loss "
+          "and time (heartbeats, metrics, the failure plan's injections)"),
     Patch("megatron.core.optimizer.optimizer", "get_grad_norm_fp32", training.wrap_grad_norm,
           "every step, in the optimizer",
           "heterogeneous: the global norm the schedule computed over every rank"),
+    Patch(_TRAINING, "evaluate_and_print_results", loop.between_iterations("evaluation"),
+          "every --eval-interval iterations",
+          "a launcher watching the job allows an evaluation its start-up timeout"),
     # 6. saving
+    Patch(_TRAINING, "save_checkpoint_and_time", loop.between_iterations("save"),
+          "every --save-interval iterations, and at the end",
+          "a launcher watching the job allows a save its start-up timeout"),
     Patch(_CKPT, "ensure_directory_exists", stateless(object_storage.wrap_ensure_directory),
           "save_checkpoint", "object-store prefixes need no directory"),
     Patch(_DIST, "save", zarr_format.wrap_save, "save_checkpoint",

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
+from elastor_mcore.integrations.megatron_lm.memory_report import MemoryReport
+from elastor_mcore.integrations.megatron_lm.overlap import GradReadiness
 from elastor_mcore.parallel.groups import GroupCache, RankGroups
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.distributed_optimizer import ZeroShards
-from elastor_mcore.runtime.grad_sync import GradientSynchronizer
+from elastor_mcore.runtime.grad_sync import GradientSynchronizer, SequenceParallelGrads
 from elastor_mcore.runtime.p2p import StageCommunicator
 
 CKPT_FORMATS = ("zarr",)
@@ -28,6 +30,15 @@ class ElastorOptions:
     ckpt_format: str | None = None
     """``"zarr"`` saves in the elastor format; None leaves saving to Megatron-Core."""
     save: ZarrSaveSettings = field(default_factory=ZarrSaveSettings)
+    report_memory: bool = False
+    """``--elastor-report-memory``: measure a training step's memory beside the
+    planner's prediction (``memory_report.py``)."""
+    hardware: str | None = None
+    """``--elastor-hardware``: the profile of that prediction."""
+    sequence_parallel: bool = False
+    """The job's ``--sequence-parallel``: every stage of TP > 1 splits the rows of its
+    activations over its TP group, so a stage boundary re-splits them (a rank's own
+    ``args.sequence_parallel`` is its stage's, off at TP 1)."""
 
     def __post_init__(self) -> None:
         if self.ckpt_format not in (None, *CKPT_FORMATS):
@@ -39,6 +50,33 @@ OnParallelState = Callable[[RankGroups | None, Layout], None]
 """Called once the layout's groups are installed (``None``: this rank is idle)."""
 
 
+class LoopObserver:
+    """What a launcher watching the job sees of Megatron-LM's loop, on every rank
+    (``loop.py`` reports it; ``elastor launch --megatron-lm`` observes it through
+    ``elastic.rank.megatron``). Iterations are 1-based, as Megatron-LM logs them. The
+    base class sees nothing."""
+
+    def loaded(self, iteration: int, load_s: float) -> None:
+        """``load_checkpoint`` took ``load_s`` seconds; training resumes after
+        ``iteration`` (0: from the start)."""
+
+    def load_failed(self, error: BaseException) -> None:
+        """``load_checkpoint`` raised ``error`` (which goes on to stop the rank)."""
+
+    def iteration_start(self, iteration: int) -> None:
+        """Iteration ``iteration`` is about to run."""
+
+    def iteration_end(self, iteration: int, loss: float | None, time_s: float) -> None:
+        """Iteration ``iteration`` took ``time_s``; ``loss``: the global batch's mean
+        loss on a last pipeline stage, None elsewhere."""
+
+    def busy(self, what: str) -> None:
+        """Something other than an iteration (``save``, ``evaluation``) begins."""
+
+    def idle(self) -> None:
+        """It is over; the next iteration follows."""
+
+
 @dataclass
 class ScheduleState:
     """What the heterogeneous schedule keeps between steps (built on the first step:
@@ -48,6 +86,11 @@ class ScheduleState:
     grad_sync: GradientSynchronizer | ZeroShards
     comm: StageCommunicator
     last_stages: Any            # every rank of every last stage (the loss reports)
+    sequence_parallel_grads: SequenceParallelGrads
+    """The norms' gradients summed over the TP group first (``--sequence-parallel``)."""
+    overlap: GradReadiness | None = None
+    """``GradReadiness`` under ``--overlap-grad-reduce`` (None: the reduction
+    runs after the last backward)."""
     norm: float | None = None   # this step's global gradient norm
 
 
@@ -71,6 +114,10 @@ class Installation:
     zero: ZeroShards | None = None
     """The ZeRO-1 shards under ``--use-distributed-optimizer`` (built with the optimizer)."""
     schedule: ScheduleState | None = None
+    memory_report: MemoryReport | None = None
+    """Under ``--elastor-report-memory`` (made when the loop first asks for its schedule)."""
+    observer: LoopObserver = field(default_factory=LoopObserver)
+    """Who watches the loop (``loop.py``); the base class: nobody."""
 
     def options(self) -> ElastorOptions:
         """The options in force (the provider is called once, on first use)."""

@@ -18,10 +18,16 @@ optimizer, lr schedule, logging, checkpoints) as it is:
   uses the token sum, and the gradients are divided by the token count of the whole
   global batch afterwards (Megatron's ``--calculate-per-token-loss`` arithmetic), so
   every token of the global batch weighs the same whichever pipeline trained it.
-* **Gradient finalisation.** After the last backward, DDP's ``main_grad`` buffers are
-  summed across pipelines by ``runtime/grad_sync.py`` (cells of the common refinement
-  of all ranks' shards, each pipeline counting once) instead of DDP's data-parallel
-  all-reduce, then scaled by ``1 / tokens``.
+* **Sequence parallelism.** Stages of TP > 1 split their activations' rows over TP;
+  the P2P re-splits them at each boundary (``runtime/p2p.py``) and the norms'
+  gradients are summed over the TP group (``grad_sync.SequenceParallelGrads``).
+* **Gradient finalisation.** DDP's ``main_grad`` buffers are summed across pipelines by
+  ``runtime/grad_sync.py`` (cells of the common refinement of all ranks' shards, each
+  stage counting once, so a tied embedding's first- and last-stage gradients add)
+  instead of DDP's data-parallel all-reduce, then scaled by ``1 / tokens``: after the
+  last backward, or under ``--overlap-grad-reduce`` bucket by bucket during it
+  (``overlap.py``, which also overlaps ZeRO-1's all-gather with the next forward under
+  ``--overlap-param-gather``).
 * **Gradient norm.** The global norm (every element of every global tensor once) is
   computed once over all active ranks after the reduction; the optimizer's
   ``get_grad_norm_fp32`` returns it, so every replica clips by the same factor and a
@@ -61,6 +67,7 @@ before training by ``unsupported_reason``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -73,11 +80,15 @@ import torch.distributed as dist
 
 from elastor_mcore.data.samples import pipeline_sample_indices
 from elastor_mcore.integrations.megatron_lm.installation import Installation, ScheduleState
-from elastor_mcore.integrations.megatron_lm.translate import is_heterogeneous
+from elastor_mcore.integrations.megatron_lm.memory_report import MemoryReport
+from elastor_mcore.integrations.megatron_lm.overlap import (
+    GradReadiness, ParamGather, key_position, serve_param_sync, tp_replicated)
+from elastor_mcore.integrations.megatron_lm.translate import is_heterogeneous, recipe_from_args
 from elastor_mcore.parallel.groups import RankGroups, replica_ranks
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.distributed_optimizer import ShardPlan, ZeroShards
-from elastor_mcore.runtime.grad_sync import GradientSynchronizer, broadcast_replicas
+from elastor_mcore.runtime.grad_sync import (GradientSynchronizer, SequenceParallelGrads,
+                                             backward_order, broadcast_replicas)
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
 from elastor_mcore.runtime.schedule import run_1f1b
 
@@ -96,16 +107,6 @@ def unsupported_reason(layout: Layout, args) -> str | None:
     if getattr(args, "fp16", False):
         return ("--fp16 on a heterogeneous layout: the loss-scaler's inf check would "
                 "only cover one pipeline; use --bf16")
-    if getattr(args, "sequence_parallel", False):
-        return ("--sequence-parallel on a heterogeneous layout: the hooked schedule sends "
-                "whole activations between stages and does not sum the sequence-parallel "
-                "norm gradients over TP (mcore's local norms refuse it anyway); drop "
-                "--sequence-parallel (or train it with `elastor train`)")
-    for flag, attr in (("--overlap-grad-reduce", "overlap_grad_reduce"),
-                       ("--overlap-param-gather", "overlap_param_gather")):
-        if getattr(args, attr, False):
-            return (f"{flag} on a heterogeneous layout: Elastor's schedule exchanges full "
-                    f"activations and reduces gradients after the last backward; drop {flag}")
     if getattr(args, "context_parallel_size", 1) != 1:
         return "--context-parallel-size > 1 on a heterogeneous layout: drop it"
     if getattr(args, "mtp_num_layers", None):
@@ -127,11 +128,6 @@ def unsupported_reason(layout: Layout, args) -> str | None:
         if getattr(args, attr, None) not in (None, train_value):
             return (f"{flag} {getattr(args, attr)} on a heterogeneous layout: evaluation "
                     f"runs the layout's micro-batches, like training; drop {flag}")
-    if not getattr(args, "untie_embeddings_and_output_weights", True) and any(
-            len(p.stages) > 1 for p in layout.pipelines):
-        return ("tied embeddings on a pipeline of several stages: the first and last "
-                "stages would have to share the word embedding across TP degrees; pass "
-                "--untie-embeddings-and-output-weights")
     last = max(layout.ranks)
     pos = layout.position(last)
     if pos.stage != len(layout.pipelines[pos.pipeline].stages) - 1:
@@ -179,7 +175,10 @@ def wrap_validate(original: Callable) -> Callable:
     whole world, which its batch checks and micro-batch calculator require the global
     batch to divide (16 on 5 ranks does not). It validates them as one rank instead
     (data-parallel size 1); ``adapt_args`` sets every rank's own sizes and micro-batch
-    count once its stage is known."""
+    count once its stage is known. Megatron-LM turns ``--sequence-parallel`` off at the
+    placeholder TP 1 (core_v0.19.0's ``pretrain_gpt.py`` builds a model config from the
+    placeholders, which refuses it); ``adapt_args`` turns it back on for stages of
+    TP > 1 from ``args.elastor_sequence_parallel``, which the parser recorded."""
     def validate_args(args, *rest, **kwargs):
         if not is_heterogeneous(args):
             return original(args, *rest, **kwargs)
@@ -218,13 +217,23 @@ def wrap_get_optimizer(original: Callable, installation: Installation) -> Callab
         from elastor_mcore.integrations.megatron_lm.zero_optimizer import (
             zero_megatron_optimizer)  # defines a subclass of Megatron's optimizer
 
+        from megatron.training import get_args
+
         plain = original(dataclasses.replace(config, use_distributed_optimizer=False),
                          model_chunks, *args, **kwargs)
         plan = ShardPlan.build(layout, model, installation.cache,
                                installation.options().save.chunking)
-        installation.zero = ZeroShards(plan, installation.cache, next(model.parameters()).device)
-        return zero_megatron_optimizer(plain, installation.zero,
-                                       lambda: installation.schedule.norm)
+        megatron_args = get_args()
+        zero = installation.zero = ZeroShards(
+            plan, installation.cache, next(model.parameters()).device,
+            backward_order(key_position) if megatron_args.overlap_grad_reduce else None)
+        gather_weights = zero.copy_main_to_model
+        if megatron_args.overlap_param_gather:
+            gather = ParamGather(zero, model)
+            serve_param_sync(_single_chunk(model_chunks), gather)
+            gather_weights = gather.start
+        return zero_megatron_optimizer(plain, zero, lambda: installation.schedule.norm,
+                                       gather_weights)
     return get_megatron_optimizer
 
 
@@ -244,6 +253,9 @@ def wrap_train(original: Callable, installation: Installation) -> Callable:
     def train(forward_step_func, model, optimizer, *args, **kwargs):
         if installation.heterogeneous():
             _check_optimizer(optimizer)
+        if installation.layout is not None and installation.options().report_memory:
+            installation.memory_report = MemoryReport(installation.options().hardware,
+                                                      optimizer)
         return original(forward_step_func, model, optimizer, *args, **kwargs)
     return train
 
@@ -259,9 +271,14 @@ def _check_optimizer(optimizer) -> None:
 
 def wrap_schedule_getter(original: Callable, installation: Installation) -> Callable:
     def get_forward_backward_func(*args, **kwargs):
-        if installation.heterogeneous():
-            return functools.partial(forward_backward, installation)
-        return original(*args, **kwargs)
+        schedule = (functools.partial(forward_backward, installation)
+                    if installation.heterogeneous() else original(*args, **kwargs))
+        report = installation.memory_report
+        if report is None:
+            return schedule
+        from megatron.training import get_args
+
+        return report.wrap(schedule, installation.groups, lambda: recipe_from_args(get_args()))
     return get_forward_backward_func
 
 
@@ -377,7 +394,11 @@ def forward_backward(installation: Installation, *, forward_step_func, data_iter
         for i in range(count):
             stage.comm.send_forward(forward(i, stage.comm.recv_forward()))
     else:
-        run_1f1b(count, groups.position.stage, groups.num_stages, stage.comm, forward)
+        if stage.overlap is not None:
+            stage.overlap.begin(count)
+        # DDP's own gradient sync stays off (it would reduce over exact replicas only).
+        with getattr(chunk, "no_sync", contextlib.nullcontext)():
+            run_1f1b(count, groups.position.stage, groups.num_stages, stage.comm, forward)
         _finalize_grads(stage, tokens)
     return _global_report(stage, reports)
 
@@ -412,24 +433,37 @@ def _schedule_state(installation: Installation, chunk) -> ScheduleState:
         return installation.schedule
     from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+    from megatron.training import get_args
+
+    args = get_args()
     groups = installation.groups
     layout = groups.layout
     cache = installation.cache
     model = get_attr_wrapped_model(chunk, "sharded_state_dict", return_model_obj=True)
-    grad_sync = installation.zero or GradientSynchronizer(layout, model, cache)
+    # Megatron's bucket size (--ddp-bucket-size or its default; None without overlap).
+    bucket_size = getattr(getattr(chunk, "ddp_config", None), "bucket_size", None)
+    grad_sync = installation.zero or GradientSynchronizer(
+        layout, model, cache,
+        order=backward_order(key_position, bucket_size) if args.overlap_grad_reduce else None)
     last_stage_ranks = [r for pipe in layout.pipelines for r in pipe.stages[-1].ranks]
     last_stages = cache.get(last_stage_ranks)
     config = get_model_config(chunk)
-    from megatron.training import get_args
-
-    args = get_args()
     shape = (args.seq_length, args.micro_batch_size, args.hidden_size)
     dtype = config.pipeline_dtype or config.params_dtype
     device = next(chunk.parameters()).device
-    comm = StageCommunicator(stage_links(layout, groups.rank), shape, dtype, device)
-    installation.schedule = ScheduleState(groups, grad_sync, comm, last_stages)
-    log.info("rank %d: Megatron-LM's loop on heterogeneous layout %s", groups.rank,
-             layout.describe())
+    sequence_parallel = installation.options().sequence_parallel
+    comm = StageCommunicator(stage_links(layout, groups.rank, sequence_parallel), shape,
+                             dtype, device)
+    overlap = None
+    if args.overlap_grad_reduce:
+        overlap = GradReadiness(grad_sync, [
+            sequence_parallel and tp_replicated(layout, holders)
+            for holders in grad_sync.bucket_holders()])
+    installation.schedule = ScheduleState(groups, grad_sync, comm, last_stages,
+                                          SequenceParallelGrads(model, groups.tp), overlap)
+    log.info("rank %d: Megatron-LM's loop on heterogeneous layout %s%s%s", groups.rank,
+             layout.describe(), ", sequence parallel" if sequence_parallel else "",
+             ", reduction overlapping backward" if overlap else "")
     return installation.schedule
 
 
@@ -440,14 +474,19 @@ def _contributes(groups: RankGroups) -> bool:
 
 @torch.no_grad()
 def _finalize_grads(stage: ScheduleState, tokens: torch.Tensor) -> None:
-    """Sum ``main_grad`` over pipelines, divide by the global batch's tokens, and
-    compute the global norm every rank's optimizer clips by."""
+    """Sum the sequence-parallel norms' ``main_grad`` over TP, all of it over pipelines
+    (or wait for the sums started during the backward), divide by the global batch's
+    tokens, and compute the global norm every rank's optimizer clips by."""
     groups = stage.groups
+    if stage.overlap is not None:
+        stage.overlap.finish(before_deferred=stage.sequence_parallel_grads.reduce)
+    else:
+        stage.sequence_parallel_grads.reduce()
+        stage.grad_sync.reduce()
     total = tokens if _contributes(groups) else torch.zeros_like(tokens)
     dist.all_reduce(total, group=groups.active)
     if total.item() <= 0:
         raise RuntimeError("the global batch has no loss tokens (every loss_mask is zero)")
-    stage.grad_sync.reduce()
     stage.grad_sync.scale_(1.0 / total.item())
     norm = stage.grad_sync.global_norm(groups.active)
     if not math.isfinite(norm):

@@ -33,7 +33,8 @@ def recipe_from_args(args: argparse.Namespace, vocab_size: int | None = None) ->
     """The model, batch and memory settings Megatron-LM's arguments describe, as a Recipe
     (what the planner and ``Layout.validate`` read): layers, hidden, FFN, heads, query
     groups, sequence length, vocabulary and its padding, micro and global batch, bf16 or
-    fp32, sequence parallelism, activation recompute and the distributed optimizer.
+    fp32, sequence parallelism, activation recompute, the distributed optimizer and the
+    communication overlaps.
 
     ``vocab_size`` is the tokenizer's (unpadded) vocabulary; without it ``--vocab-size``
     is used, never Megatron's ``padded_vocab_size`` (padding it again would record a
@@ -62,10 +63,19 @@ def recipe_from_args(args: argparse.Namespace, vocab_size: int | None = None) ->
         global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
         seed=args.seed, params_dtype="bfloat16" if args.bf16 else "float32",
         distributed_optimizer=bool(args.use_distributed_optimizer),
-        sequence_parallel=bool(args.sequence_parallel),
+        sequence_parallel=requested_sequence_parallel(args),
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
         recompute_granularity=granularity, recompute_method=method,
         recompute_num_layers=recompute_layers)
     return Recipe(name="megatron-lm", model=model, training=training)
+
+
+def requested_sequence_parallel(args: argparse.Namespace) -> bool:
+    """``--sequence-parallel`` as given: Megatron-LM's validation turns it off at TP 1,
+    the placeholder of a heterogeneous layout, so the parser records it
+    (``elastor_sequence_parallel``) for the stages of TP > 1."""
+    return bool(getattr(args, "elastor_sequence_parallel", args.sequence_parallel))
 
 
 def ffn_hidden_size(args: argparse.Namespace) -> int:
@@ -153,6 +163,11 @@ def apply_layout_args(args: argparse.Namespace, explicit: dict[str, str],
         stages = layout.pipelines[0].stages
         derived = {"tensor_model_parallel_size": stages[0].tp,
                    "pipeline_model_parallel_size": len(stages)}
+        if len({s.layers for s in stages}) > 1 and not uneven_split_given(args):
+            # Megatron-LM validates PP against the layers before each rank's stage is set
+            # (``args.adapt_args``): without the split, 8 layers on 7 stages fail there.
+            args.pipeline_model_parallel_layout = pipeline_layout_string(
+                [s.layers for s in stages])
     else:  # each rank's values are set with its stage; these only pass Megatron's checks
         derived = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
     for dest, value in derived.items():
@@ -174,6 +189,21 @@ def apply_layout_args(args: argparse.Namespace, explicit: dict[str, str],
             f"--elastor-layout {spec}: virtual pipeline stages are not supported; drop "
             f"--num-layers-per-virtual-pipeline-stage / --virtual-pipeline-model-parallel-size")
     return layout
+
+
+def uneven_split_given(args: argparse.Namespace) -> bool:
+    """Whether Megatron-LM's own flags already say how layers split over stages."""
+    return any(getattr(args, name, None) is not None for name in (
+        "pipeline_model_parallel_layout", "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers"))
+
+
+def pipeline_layout_string(stage_layers: Sequence[int]) -> str:
+    """``--pipeline-model-parallel-layout`` for these layers per stage: the embedding
+    (``E``) on the first stage, the loss (``L``) on the last, ``t`` per decoder layer."""
+    stages = ["t" * n for n in stage_layers]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    return "|".join(stages)
 
 
 def check_checkpoint_flags(args: argparse.Namespace) -> None:

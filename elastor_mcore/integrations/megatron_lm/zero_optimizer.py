@@ -17,7 +17,8 @@ parameters replaced by the owned fp32 fragments of that group's weights. The gra
 reduction, the division by the global batch's tokens and the norm happen in the hooked
 schedule (``training._finalize_grads``), on the owned segments; ``step`` clips by that
 norm as Megatron's ``clip_grad_by_total_norm_fp32`` does, steps, and all-gathers the
-weights.
+weights (under ``--overlap-param-gather`` it only starts the all-gathers, which the next
+forward waits for module by module: ``overlap.ParamGather``).
 
 Checkpoints are Megatron's ``fully_reshardable`` distributed-optimizer format, keyed by
 model tensor (``optimizer.state.param|exp_avg|exp_avg_sq.<key>``) in model space; each
@@ -50,10 +51,12 @@ def _megatron_optimizer_base():
     return MegatronOptimizer
 
 
-def zero_megatron_optimizer(built, shards: ZeroShards, norm: Callable[[], float]):
+def zero_megatron_optimizer(built, shards: ZeroShards, norm: Callable[[], float],
+                            gather_weights: Callable[[], None] | None = None):
     """Megatron's non-distributed optimizer ``built`` for the same model, turned into a
     ``ZeroMegatronOptimizer`` over ``shards`` (its fp32 copies of whole weights are
-    dropped); ``norm()`` is this step's global gradient norm."""
+    dropped); ``norm()`` is this step's global gradient norm; ``gather_weights`` runs
+    after each step (default: ``shards.copy_main_to_model``, all-gathered at once)."""
     chained = getattr(built, "chained_optimizers", [built])
     if len(chained) != 1:
         raise RuntimeError(f"Megatron built {len(chained)} optimizers; ZeRO-1 on a "
@@ -72,17 +75,19 @@ def zero_megatron_optimizer(built, shards: ZeroShards, norm: Callable[[], float]
     for group, mains in zip(inner.param_groups, owned):
         group["params"] = mains
     inner.state.clear()
-    return ZeroMegatronOptimizer(inner, megatron.config, shards, norm)
+    return ZeroMegatronOptimizer(inner, megatron.config, shards, norm,
+                                 gather_weights or shards.copy_main_to_model)
 
 
 class ZeroMegatronOptimizer(_megatron_optimizer_base()):
     """Megatron's ``MegatronOptimizer`` interface over ``ZeroShards`` (see the module)."""
 
     def __init__(self, inner: torch.optim.Optimizer, config, shards: ZeroShards,
-                 norm: Callable[[], float]) -> None:
+                 norm: Callable[[], float], gather_weights: Callable[[], None]) -> None:
         super().__init__(inner, config)
         self.shards = shards
         self._norm = norm
+        self._gather_weights = gather_weights
         self.is_stub_optimizer = False
         device = shards.owned_grads()[0].device if shards.owned_grads() else "cpu"
         self._one = torch.ones(1, dtype=torch.float32, device=device)
@@ -111,7 +116,7 @@ class ZeroMegatronOptimizer(_megatron_optimizer_base()):
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         self.optimizer.step()
-        self.shards.copy_main_to_model()
+        self._gather_weights()
         return True
 
     @torch.no_grad()
