@@ -8,11 +8,13 @@ the same load): ``in place`` (its defaults: recovery in place, ranks from the
 pre-imported worker) and ``today`` (``--recovery relaunch --no-zygote``: every failure
 relaunches cold from the last checkpoint). Each run's ``timeline.json`` gives, per
 failure (the kill and the hang), the time from the failure to the first completed step
-of the new layout and the steps redone; its metrics give the median step before the
-first failure. Printed and written to ``--out``: each run's figures and, per mode and
-failure, the median over the runs, beside the issue's bounds (kill: 3 s + one median
-step; hang: the same plus the heartbeat timeout). The demo's corpus is made once under
-``--work`` and shared. Minutes per run; not part of the test suite.
+of the new layout, the steps redone and the hang timeout that applied; its metrics
+give the median step before the first failure and the 99th percentile of the steps the
+hung layout ran before the hang. Printed and written to ``--out``: each run's figures
+and, per mode and failure, the median over the runs, beside the issue's bounds (kill:
+3 s + one median step; hang: the same plus max(3 x that p99, the --heartbeat-timeout
+floor)). The demo's corpus is made once under ``--work`` and shared. Minutes per run;
+not part of the test suite.
 """
 
 from __future__ import annotations
@@ -27,9 +29,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from elastor_mcore.elastic.protocol import percentile  # noqa: E402
+from elastor_mcore.elastic.report import read_metrics  # noqa: E402
+
 MODES = {"in place": [], "today": ["--recovery", "relaunch", "--no-zygote"]}
-HEARTBEAT_TIMEOUT_S = 20.0
-"""The demo's default ``--heartbeat-timeout``."""
+FLOOR_S = 2.0
+"""The demo's default ``--heartbeat-timeout``: the hang timeout's floor."""
+
+
+def step_times(timeline: dict) -> dict[int, float]:
+    """Each step's time, the last launch that ran it winning (redone steps)."""
+    return {m["step"]: m["time_s"] for launch in timeline["launches"]
+            for m in read_metrics(Path(launch["dir"]) / "metrics.jsonl")}
 
 
 def run_demo(out: Path, data: Path, flags: list[str]) -> dict:
@@ -44,25 +57,29 @@ def run_demo(out: Path, data: Path, flags: list[str]) -> dict:
                             text=True)
     (out / "demo.log").write_text(result.stdout + result.stderr)
     timeline = json.loads((out / "timeline.json").read_text())
-    first = timeline["launches"][0]
-    before = [json.loads(l)["time_s"] for l in
-              Path(first["dir"], "metrics.jsonl").read_text().splitlines()][1:11]
+    times = step_times(timeline)
+    kill, hang = timeline["recoveries"][:2]
+    before = [times[s] for s in range(2, kill["failed_at_step"])]
+    hung_layout = [times[s] for s in range(kill["resumed_from"] + 2, hang["failed_at_step"])]
     return {"exit": result.returncode, "wall_s": time.perf_counter() - start,
+            "load_average": os.getloadavg()[0],
             "median_step_s": statistics.median(before),
+            "hang_layout_p99_s": percentile(sorted(hung_layout), 0.99),
             "recoveries": [{k: r[k] for k in ("failure", "how", "total_s", "steps_redone",
-                                                "detect_s", "first_step_s")}
+                                                "detect_s", "first_step_s", "detected_by")}
                            for r in timeline["recoveries"]]}
 
 
-def summary(runs: dict[str, list[dict]], timeout_s: float) -> dict:
+def summary(runs: dict[str, list[dict]], floor_s: float) -> dict:
     """Per mode and failure kind: medians over the runs, and the bounds."""
     out = {}
     for mode, results in runs.items():
         step = statistics.median(r["median_step_s"] for r in results)
+        timeout = max(3 * statistics.median(r["hang_layout_p99_s"] for r in results), floor_s)
         for kind in ("kill", "hang"):
             rows = [x for r in results for x in r["recoveries"] if x["failure"].startswith(kind)]
             totals = [x["total_s"] for x in rows if x["total_s"] is not None]
-            bound = 3.0 + step + (timeout_s if kind == "hang" else 0.0)
+            bound = 3.0 + step + (timeout if kind == "hang" else 0.0)
             out[f"{mode}/{kind}"] = {
                 "runs": len(results), "median_total_s": statistics.median(totals) if totals
                 else None, "totals_s": totals, "median_step_s": step, "bound_s": bound,
@@ -95,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                                    f"{r['steps_redone']}" for r in figures["recoveries"]
                                    if r["total_s"] is not None)
                   + f" (exit {figures['exit']})", flush=True)
-    timeout = HEARTBEAT_TIMEOUT_S
+    floor = FLOOR_S
     if "--heartbeat-timeout" in args.demo_flags:
-        timeout = float(args.demo_flags[args.demo_flags.index("--heartbeat-timeout") + 1])
-    medians = summary(runs, timeout)
+        floor = float(args.demo_flags[args.demo_flags.index("--heartbeat-timeout") + 1])
+    medians = summary(runs, floor)
     Path(args.out).write_text(json.dumps({"runs": runs, "medians": medians}, indent=1) + "\n")
     print("\n| mode | failure | median to first step | runs | steps redone | bound |\n"
           "|---|---|---|---|---|---|")
