@@ -178,7 +178,8 @@ def test_watch_absorbs_a_death_and_an_injected_hang(tmp_path):
     paced = dict(steps_timed=5, step_p99_s=1.0)  # 3 x 1 s: silent after 3 s
     beats = {0: Beat(0, 0, 100, 2, True, now - 50, **paced),
              1: Beat(1, 1, 101, 2, True, now - 50, **paced),
-             2: Beat(2, 2, sleeper.pid, 2, True, now - 50, **paced)}
+             # its own pace allows 300 s: slot 1's silence finds it first
+             2: Beat(2, 2, sleeper.pid, 2, True, now - 50, steps_timed=5, step_p99_s=100)}
     messages = []
     watch = InPlaceWatch(record, steps=10, on_message=messages.append)
     policy = HangPolicy(startup_timeout_s=300, floor_s=2)
@@ -195,5 +196,6 @@ def test_watch_absorbs_a_death_and_an_injected_hang(tmp_path):
     killed = record.events("hang_killed")
     assert [e["slot"] for e in killed] == [2]
     assert killed[0]["timeout"].startswith("3.0s = max(3 x p99 step 1.00s over 5 steps")
+    assert killed[0]["timeout"].endswith("(slot 1's)")
     # The recovering ranks' old beats count as not stepping: the start-up limit applies.
     assert policy.silent_slots([1], judged, record.launched_at, time.time(), 10) == {}

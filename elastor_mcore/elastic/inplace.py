@@ -6,8 +6,9 @@ in their processes (``elastic/rank/inplace.py``), and the supervisor only watche
   torchrun does not stop the launch when one rank dies (``prestart.keeper_command``).
 - A rank process gone is absorbed: the survivors find out by themselves (their
   collectives with it fail) and recover; the supervisor stops counting the slot.
-- A silent rank into which the failure plan injected a hang is killed (SIGKILL), and
-  then recovered from as a death. A hang nobody injected has no known culprit (every
+- A rank into which the failure plan injected a hang is killed (SIGKILL) once any
+  rank is silent past its hang timeout (every rank of the hung collective falls
+  silent; each has its own timeout), and then recovered from as a death. A hang nobody injected has no known culprit (every
   rank of a hung collective is silent): it ends the launch, as with ``relaunch``.
 - The ranks of a recovery are silent while they recover; the beats they last wrote
   count as written when the failure was absorbed, and as not yet stepping, so the
@@ -66,14 +67,18 @@ class InPlaceWatch:
         beats = {s: b for s, b in beats.items() if s not in self.lost and s not in self.left()}
         dead = [s for s, b in beats.items() if b.step < self.steps and not running(b.pid)]
         injected = {e["slot"] for e in self.record.failures() if e["kind"] == "hang"}
-        timeouts = silent(beats)
-        hung = [s for s in timeouts if s in injected and s not in dead]
+        timeouts = silent({s: b for s, b in beats.items() if s not in dead})
+        # A hung collective silences every rank in it, each past its own timeout (its
+        # own step times) in turn: once one is, a rank hung by injection is the culprit.
+        hung = [s for s in beats if s in injected and s not in dead] if timeouts else []
         for slot in hung:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(beats[slot].pid, signal.SIGKILL)
+            first = slot if slot in timeouts else min(timeouts)
             append_event(Path(self.record.dir) / EVENTS_FILE, "hang_killed", slot=slot,
                          pid=beats[slot].pid, silent_s=now - beats[slot].time,
-                         timeout=timeouts[slot].rule)
+                         timeout=timeouts[first].rule
+                         + ("" if first == slot else f" (slot {first}'s)"))
         for slot in dead + hung:
             self.lost[slot] = now
             self.since = now
