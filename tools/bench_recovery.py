@@ -45,8 +45,9 @@ def step_times(timeline: dict) -> dict[int, float]:
             for m in read_metrics(Path(launch["dir"]) / "metrics.jsonl")}
 
 
-def run_demo(out: Path, data: Path, flags: list[str]) -> dict:
-    """One demo into ``out`` (its corpus a link to ``data``); its figures."""
+def run_demo(out: Path, data: Path, flags: list[str]) -> dict | None:
+    """One demo into ``out`` (its corpus a link to ``data``); its figures (None if it
+    ended before the elastic run wrote its timeline: see ``out/demo.log``)."""
     out.mkdir(parents=True, exist_ok=True)
     if data.exists() and not (out / "data").exists():
         (out / "data").symlink_to(data.resolve())
@@ -56,12 +57,19 @@ def run_demo(out: Path, data: Path, flags: list[str]) -> dict:
                              str(out), *flags], cwd=ROOT, env=env, capture_output=True,
                             text=True)
     (out / "demo.log").write_text(result.stdout + result.stderr)
+    if not (out / "timeline.json").is_file():
+        return None
+    return figures(out, result.returncode, time.perf_counter() - start)
+
+
+def figures(out: Path, code: int, wall_s: float) -> dict:
+    """A finished demo's figures, from ``out/timeline.json`` and its metrics."""
     timeline = json.loads((out / "timeline.json").read_text())
     times = step_times(timeline)
     kill, hang = timeline["recoveries"][:2]
     before = [times[s] for s in range(2, kill["failed_at_step"])]
     hung_layout = [times[s] for s in range(kill["resumed_from"] + 2, hang["failed_at_step"])]
-    return {"exit": result.returncode, "wall_s": time.perf_counter() - start,
+    return {"dir": str(out), "exit": code, "wall_s": wall_s,
             "load_average": os.getloadavg()[0],
             "median_step_s": statistics.median(before),
             "hang_layout_p99_s": percentile(sorted(hung_layout), 0.99),
@@ -103,15 +111,19 @@ def main(argv: list[str] | None = None) -> int:
             out = work / f"{mode.replace(' ', '-')}-{i}"
             print(f"bench_recovery: run {i + 1}/{args.runs}, {mode}, load average "
                   f"{os.getloadavg()[0]:.1f} ...", flush=True)
-            figures = run_demo(out, data, [*flags, *args.demo_flags])
+            got = run_demo(out, data, [*flags, *args.demo_flags])
             if not data.exists() and (out / "data").is_dir():
                 (out / "data").rename(data)
                 (out / "data").symlink_to(data.resolve())
-            runs[mode].append(figures)
+            if got is None:
+                print(f"  the demo ended before its elastic run: see {out / 'demo.log'}; "
+                      f"not counted", flush=True)
+                continue
+            runs[mode].append(got)
             print("  " + "; ".join(f"{r['failure']}: {r['how']}, {r['total_s']:.2f}s, redone "
-                                   f"{r['steps_redone']}" for r in figures["recoveries"]
+                                   f"{r['steps_redone']}" for r in got["recoveries"]
                                    if r["total_s"] is not None)
-                  + f" (exit {figures['exit']})", flush=True)
+                  + f" (exit {got['exit']})", flush=True)
     floor = FLOOR_S
     if "--heartbeat-timeout" in args.demo_flags:
         floor = float(args.demo_flags[args.demo_flags.index("--heartbeat-timeout") + 1])
