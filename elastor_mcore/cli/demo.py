@@ -127,11 +127,13 @@ class Stopped(Exception):
 
 
 def run_reference(settings: RunSettings, out: Path) -> float:
-    """The uninterrupted run of ``settings`` on ``REFERENCE_LAYOUT``, without saves."""
+    """The uninterrupted run of ``settings`` on ``REFERENCE_LAYOUT``, without saves and
+    without the in-memory tier (as ``elastor train``: nothing recovers it)."""
     out.mkdir(parents=True)
     start = time.perf_counter()
     reference = replace(settings, layout=REFERENCE_LAYOUT,
-                        metrics_out=str(out / "metrics.jsonl"), failure_plan=None)
+                        metrics_out=str(out / "metrics.jsonl"), failure_plan=None,
+                        memory_interval=0)
     result = run_torchrun(2, Trainer.module, reference.to_argv("worker"), capture=True)
     (out / "torchrun.log").write_text(result.stdout + result.stderr)
     signum = stopped_by(result.returncode)
