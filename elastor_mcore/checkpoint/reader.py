@@ -305,11 +305,13 @@ def _read_boxes(step_dir: Location, manifest: Manifest, targets: Sequence[LocalS
                    and fast_read.handles(manifest.tensors[target.key], target))
         (direct if handled else rest).append(target)
     if direct:
-        fast_read.read_targets(storage.local_path(step_dir), manifest.tensors, direct)
+        fast_read.read_targets(storage.local_path(step_dir), manifest.tensors, direct,
+                               missing_is_damage=manifest.every_chunk_stored)
     if not rest:
         return
     keys = {t.key for t in rest}
-    arrays = open_arrays(step_dir, {k: manifest.tensors[k] for k in keys}, create=False)
+    arrays = open_arrays(step_dir, {k: manifest.tensors[k] for k in keys}, create=False,
+                         fill_missing=not manifest.every_chunk_stored)
     futures = []
     with ts.Batch() as batch:
         for target in rest:

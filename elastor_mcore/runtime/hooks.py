@@ -18,6 +18,9 @@ class StepHooks:
     """Called on every active rank; steps are 1-based, as printed. The base class does
     nothing."""
 
+    def load_failed(self, error: BaseException) -> None:
+        """The checkpoint to resume from could not be read (the loop then raises it)."""
+
     def ready(self, start_step: int, load_s: float) -> None:
         """Set up and, after ``load_s`` seconds of loading, resumed at ``start_step``."""
 

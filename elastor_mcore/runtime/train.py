@@ -418,8 +418,12 @@ def begin(cfg: RunConfig, cache: GroupCache) -> Session | None:
     if runner is None:
         return None
     load_start = time.perf_counter()
-    start = resume(runner, cfg.settings.load_dir, cfg.seed, cfg.settings.data,
-                   cfg.settings.allow_data_change) if cfg.settings.load_dir else 0
+    try:
+        start = resume(runner, cfg.settings.load_dir, cfg.seed, cfg.settings.data,
+                       cfg.settings.allow_data_change) if cfg.settings.load_dir else 0
+    except checkpoint.CheckpointError as exc:
+        cfg.hooks.load_failed(exc)
+        raise
     load_s = time.perf_counter() - load_start
     if cfg.settings.report_memory:
         memory = optimizer_memory(runner)

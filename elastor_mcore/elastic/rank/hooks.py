@@ -52,6 +52,10 @@ class ElasticHooks(StepHooks):
         of each are told apart by it."""
         self.heartbeat.beat(0, stepping=False)  # the supervisor learns our pid early
 
+    def load_failed(self, error: BaseException) -> None:
+        append_event(self.events, "load_failed", rank=self.rank, slot=self.slot,
+                     error=f"{type(error).__name__}: {error}"[:1000])
+
     def ready(self, start_step: int, load_s: float) -> None:
         append_event(self.events, "ready", rank=self.rank, slot=self.slot,
                      start_step=start_step, load_s=load_s, epoch=self.epoch)

@@ -42,7 +42,6 @@ from elastor_mcore.config.failure_plan import load_failure_plan
 from elastor_mcore.config.launch import MegatronSettings, RoundSettings
 from elastor_mcore.elastic.job import renumbered
 from elastor_mcore.elastic.megatron import MegatronLM, from_settings
-from elastor_mcore.elastic.protocol import append_event
 from elastor_mcore.elastic.rank.hooks import ElasticHooks
 from elastor_mcore.elastic.rank.rendezvous_round import (
     NodeContext, RoundPlan, agree, mark_done, record_round, wait_done, write_outcome)
@@ -67,10 +66,6 @@ class MegatronHooks(ElasticHooks, LoopObserver):
     def loaded(self, iteration: int, load_s: float) -> None:
         self.step = iteration
         self.ready(iteration, load_s)
-
-    def load_failed(self, error: BaseException) -> None:
-        append_event(self.events, "load_failed", rank=self.rank, slot=self.slot,
-                     error=f"{type(error).__name__}: {error}"[:1000])
 
     def iteration_start(self, iteration: int) -> None:
         self.step_start(iteration)
