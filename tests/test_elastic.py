@@ -1,4 +1,5 @@
-"""Recovery end to end, on CPU slots: ``elastor launch`` through a kill and a hang
+"""Recovery by relaunch (``--recovery relaunch``; recovery in place, the default, is
+``test_inplace.py``) end to end, on CPU slots: ``elastor launch`` through a kill and a hang
 (4 -> 3 -> 2 slots) resumes each time from the last checkpoint before the failure and
 ends with the weights and losses of an uninterrupted run; on an ``s3://`` checkpoint
 root, a relaunch resumes from S3 and a failure that leaves too few slots gives up with
@@ -87,7 +88,8 @@ def recovered(tmp_path_factory):
         ["--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--slots", "4",
          "--steps", str(STEPS), "--run-dir", str(run_dir), "--save-interval",
          str(SAVE_INTERVAL), "--no-async-save", "--failure-plan", plan,
-         "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--devices", "cpu"])
+         "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--devices", "cpu",
+         "--recovery", "relaunch"])
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return run_dir, json.loads((run_dir / "timeline.json").read_text()), result.stdout
 
@@ -158,7 +160,7 @@ def test_relaunch_resumes_from_s3_until_too_few_survivors_give_up(tmp_path, refe
             ["--recipe", str(TINY), "--hardware", hardware, "--slots", "3", "--steps", "8",
              "--run-dir", str(run_dir), "--checkpoint-dir", str(root), "--save-interval",
              "2", "--keep-checkpoints", "1", "--no-async-save", "--failure-plan", plan,
-             "--devices", "cpu"])
+             "--devices", "cpu", "--recovery", "relaunch"])
         assert result.returncode == 1, result.stdout[-5000:] + result.stderr[-5000:]
         print("\n".join(l for l in result.stdout.splitlines() if "step " not in l))
         assert f"checkpoints: {root}" in result.stdout

@@ -120,6 +120,11 @@ def test_heartbeats_time_each_step_from_the_previous_beat(tmp_path, monkeypatch)
     last = at(111.5, 7)                               # 1.5 s, the save left out
     assert (last.steps_timed, last.step_p99_s, last.busy) == (3, 2.0, None)
     assert writer.durations == collections.deque([2.0, 1.0, 1.5])
+    # A recovery in place (``ElasticHooks.recovering``): the new layout's own pace.
+    writer.new_layout()
+    assert at(112.0, 7, stepping=False).steps_timed == 0  # recovering, from step 7
+    restored = at(112.5, 8)                               # 0.5 s on the new layout
+    assert (restored.steps_timed, restored.step_p99_s) == (1, 0.5)
 
 
 def test_survivor_slots_become_contiguous_torchrun_ranks():
