@@ -101,8 +101,8 @@ def test_hang_timeout_follows_the_measured_step_times():
 
 def test_heartbeats_time_each_step_from_the_previous_beat(tmp_path, monkeypatch):
     """A rank times every step from its previous beat (the load, the previous step, or
-    the end of a save: a save between two steps is not a step's time); the beat carries
-    the p99 of those times."""
+    the end of a save: a save between two steps, Megatron-LM's, is not a step's time; a
+    save inside a step, the trainer's, is); the beat carries the p99 of those times."""
     now = [100.0]
     monkeypatch.setattr(protocol.time, "time", lambda: now[0])
     writer = HeartbeatWriter(tmp_path, 3, 1)
@@ -120,10 +120,14 @@ def test_heartbeats_time_each_step_from_the_previous_beat(tmp_path, monkeypatch)
     last = at(111.5, 7)                               # 1.5 s, the save left out
     assert (last.steps_timed, last.step_p99_s, last.busy) == (3, 2.0, None)
     assert writer.durations == collections.deque([2.0, 1.0, 1.5])
+    # The trainer saves inside a step (``StepHooks.busy`` before its ``step_end``): the
+    # step's beat times the step with its save, so the save never reads as a hang.
+    assert at(112.0, 7, busy="save").busy == "save"  # step 8's save begins after 0.5 s
+    assert at(115.5, 8).step_p99_s == 4.0            # step 8 with its save: 4 s
     # A recovery in place (``ElasticHooks.recovering``): the new layout's own pace.
     writer.new_layout()
-    assert at(112.0, 7, stepping=False).steps_timed == 0  # recovering, from step 7
-    restored = at(112.5, 8)                               # 0.5 s on the new layout
+    assert at(116.0, 8, stepping=False).steps_timed == 0  # recovering, from step 8
+    restored = at(116.5, 9)                               # 0.5 s on the new layout
     assert (restored.steps_timed, restored.step_p99_s) == (1, 0.5)
 
 

@@ -116,12 +116,15 @@ class HeartbeatWriter:
         self.timed = 0
 
     def beat(self, step: int, stepping: bool, busy: str | None = None) -> None:
+        """A ``busy`` beat (a save inside a step) leaves the step's timing running: the
+        step's beat times all of it."""
         now = time.time()
         if self._last is not None and stepping and busy is None and \
                 step == self._last[0] + 1:
             self.durations.append(now - self._last[1])
             self.timed += 1
-        self._last = (step, now)
+        if busy is None:
+            self._last = (step, now)
         beat = Beat(self.slot, self.rank, os.getpid(), step, stepping, now, busy,
                     self.timed, percentile(sorted(self.durations), 0.99))
         tmp = self.path.with_name(self.path.name + ".tmp")

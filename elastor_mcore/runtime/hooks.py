@@ -27,6 +27,10 @@ class StepHooks:
     def step_start(self, step: int) -> None:
         """Step ``step`` is about to begin."""
 
+    def busy(self, what: str) -> None:
+        """Step work that is not a training step begins (``"save"``): the hang timeout
+        allows it start-up time until ``step_end``."""
+
     def step_end(self, step: int) -> None:
         """Step ``step`` is done (and its save, if one was due, started)."""
 

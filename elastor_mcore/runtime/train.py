@@ -462,6 +462,7 @@ def run_steps(session: Session, metrics: list[StepMetrics]) -> None:
         block_s = None
         if saver and ((cfg.settings.save_interval and done % cfg.settings.save_interval == 0)
                       or done == cfg.settings.steps):
+            cfg.hooks.busy("save")
             report = save(runner, cfg, saver, done)
             block_s = None if report.skipped else report.block_s
         for m in reported:

@@ -47,6 +47,8 @@ class ElasticHooks(StepHooks):
         self.heartbeat = HeartbeatWriter(Path(elastic_dir) / HEARTBEAT_DIR, slot, rank)
         self.failures = {f.step: f for f in failures if f.slot == slot}
         self.stepped = False
+        self.step = 0
+        """The last step done (or resumed from)."""
         self.epoch = 0
         """Recoveries in place so far (``elastic.rank.inplace`` counts them); the events
         of each are told apart by it."""
@@ -60,6 +62,7 @@ class ElasticHooks(StepHooks):
         append_event(self.events, "ready", rank=self.rank, slot=self.slot,
                      start_step=start_step, load_s=load_s, epoch=self.epoch)
         self.stepped = False
+        self.step = start_step
         self.heartbeat.beat(start_step, stepping=False)
 
     def step_start(self, step: int) -> None:
@@ -74,7 +77,16 @@ class ElasticHooks(StepHooks):
             append_event(self.events, "first_step", rank=self.rank, slot=self.slot, step=step,
                          epoch=self.epoch)
             self.stepped = True
+        self.step = step
         self.heartbeat.beat(step, stepping=True)
+
+    def busy(self, what: str) -> None:
+        self.heartbeat.beat(self.step, self.stepped, busy=what)
+
+    def idle(self) -> None:
+        """After ``busy`` between two iterations (Megatron-LM's loop): the next step is
+        timed from here."""
+        self.heartbeat.beat(self.step, self.stepped)
 
     def recovering(self, step: int) -> None:
         """Silent through a recovery in place: the generous limit applies until the

@@ -61,28 +61,19 @@ class MegatronHooks(ElasticHooks, LoopObserver):
         failures = load_failure_plan(settings.failure_plan) if settings.failure_plan else ()
         super().__init__(settings.elastic_dir, rank, slot, failures)
         self.metrics = settings.metrics_out if reporter else None
-        self.step = 0
 
     def loaded(self, iteration: int, load_s: float) -> None:
-        self.step = iteration
         self.ready(iteration, load_s)
 
     def iteration_start(self, iteration: int) -> None:
         self.step_start(iteration)
 
     def iteration_end(self, iteration: int, loss: float | None, time_s: float) -> None:
-        self.step = iteration
         self.step_end(iteration)
         if self.metrics and loss is not None:
             with open(self.metrics, "a") as out:
                 out.write(json.dumps({"step": iteration, "loss": loss, "time_s": time_s})
                           + "\n")
-
-    def busy(self, what: str) -> None:
-        self.heartbeat.beat(self.step, self.stepped, busy=what)
-
-    def idle(self) -> None:
-        self.heartbeat.beat(self.step, self.stepped)
 
 
 def run_pretrain(settings: MegatronSettings, megatron_argv: Sequence[str], rank: int,
