@@ -142,9 +142,10 @@ def test_survivor_slots_become_contiguous_torchrun_ranks():
     assert [s.ranks for p in ranked.pipelines for s in p.stages] == [(2,), (0,), (1, 3)]
 
 
-def test_megatron_ranks_end_with_a_last_stage():
-    """Megatron-LM logs the loss from its highest rank: the highest slot of a last stage
-    becomes the last torchrun rank, the others keep their order."""
+def test_megatron_ranks_increase_along_every_pipeline():
+    """Megatron-Core takes a rank's stage from its place in its pipeline group (ordered
+    by rank), and Megatron-LM logs the loss from its highest rank: torchrun ranks go
+    pipeline by pipeline, stage by stage."""
     layout = layout_from_dict({"pipelines": [
         {"micro_batches": 16, "stages": [{"tp": 2, "layers": 4, "ranks": [6, 7]},
                                          {"tp": 1, "layers": 4, "ranks": [1]}]},
@@ -154,9 +155,17 @@ def test_megatron_ranks_end_with_a_last_stage():
                                  "untie_embeddings_and_output_weights": True})
     workload = MegatronLM(MegatronSettings(), (), job, "recipe.yaml")
     order = workload.rank_order(layout)
-    assert order == (0, 6, 7, 1)
+    assert order == (6, 7, 1, 0)
     ranked = renumbered(layout, order)
-    assert max(ranked.ranks) in ranked.pipelines[0].stages[-1].ranks
+    assert max(ranked.ranks) in ranked.pipelines[-1].stages[-1].ranks
+    # the layout an elastic run planned on slots [0, 2, 4, 5, 7, 1], whose last stage
+    # held torchrun rank 0 under the former order: every rank built a stage's modules
+    # by its place in an ordered pipeline group, so a middle stage built the loss
+    planned = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
+        {"tp": 1, "layers": 1, "ranks": [2]}, {"tp": 1, "layers": 1, "ranks": [5]},
+        {"tp": 2, "layers": 3, "ranks": [4, 7]}, {"tp": 2, "layers": 3, "ranks": [0, 1]}]}]})
+    stages = renumbered(planned, workload.rank_order(planned)).pipelines[0].stages
+    assert [list(s.ranks) for s in stages] == [[0], [1], [2, 3], [4, 5]]
     # Megatron-LM's loop refuses the layout on its slots' own order, not on this one
     assert "not a last stage" in workload.refusal(renumbered(layout, sorted(layout.ranks)))
     assert workload.refusal(ranked) is None
