@@ -12,16 +12,29 @@ Measured on the rank's own tensors, in the planner's terms (``cost_model.MemoryB
   out: what 1F1B's in-flight micro-batches keep, recomputation included;
 * the process as the OS sees it: RSS high-water (``getrusage``: the interpreter, torch
   and mcore included) and, on CUDA, the caching allocator's peak.
+
+Start-up is measured apart (``AllocationMeter``, ``rss_high_water``): the peak bytes of
+the tensors a piece of start-up code (building the optimizer) allocates, and those it
+keeps; on CPU torch keeps no allocator statistics, so they are counted on the tensors.
 """
 
 from __future__ import annotations
 
 import resource
+import weakref
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from elastor_mcore.planner.cost_model import MemoryBreakdown
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_RESET_HIGH_WATER = "5"
+"""``clear_refs``' value that resets the peak resident set (Linux 4.0+)."""
 
 
 class _Saved:
@@ -78,6 +91,80 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
 
+class AllocationMeter(TorchDispatchMode):
+    """Counts the bytes of the tensors allocated while it is active (every op's new
+    storages, each once; tensors that existed before and views of them left out) that
+    are still alive: ``current`` now, ``peak`` at its highest. Measures one piece of
+    start-up code, such as building an optimizer: slow, never for training steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, list[int]] = {}  # storage -> [live tensors, bytes]
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor, inputs)
+        return out
+
+    def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if storage.nbytes() == 0 or (key in inputs and key not in self._live):
+            return
+        entry = self._live.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        weakref.finalize(tensor, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self._live[key]
+
+
+def rss_high_water() -> int | None:
+    """The process's peak resident set since it started or since the last
+    ``reset_rss_high_water`` (``VmHWM``, bytes); None where /proc has none."""
+    try:
+        lines = _STATUS.read_text().splitlines()
+    except OSError:
+        return None
+    kib = next((line.split()[1] for line in lines if line.startswith("VmHWM:")), None)
+    return int(kib) * 1024 if kib is not None else None
+
+
+def reset_rss_high_water() -> bool:
+    """Start ``rss_high_water`` again from the resident set now, to measure one phase
+    (a training step) apart from start-up; False where the kernel does not allow it."""
+    try:
+        _CLEAR_REFS.write_text(_RESET_HIGH_WATER)
+    except OSError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class StartupMemory:
+    """A rank's memory once its optimizer is built."""
+
+    built_peak: int
+    """Bytes of the tensors allocated while the optimizer was built, at their peak."""
+    built_kept: int
+    """...of which still alive once it was built: the optimizer's own tensors."""
+    rss_peak: int | None
+    """The process's RSS high-water once it was built (bytes; None: not measurable)."""
+
+
 @dataclass(frozen=True)
 class RankMemory:
     """One rank's measured memory after a training step, and the planner's prediction
@@ -89,6 +176,8 @@ class RankMemory:
     rss_peak: int                   # bytes, the process's high-water resident set
     device_peak: int | None         # bytes, CUDA allocator peak (None on CPU)
     predicted: MemoryBreakdown | None  # without the profile's reserve
+    startup: StartupMemory | None = None
+    step_rss_peak: int | None = None  # bytes, RSS high-water of the measured step alone
 
 
 def measure(model: torch.nn.Module, adamw: torch.optim.Optimizer, grads: list[torch.Tensor],
@@ -139,4 +228,33 @@ def memory_table(reports: list[RankMemory], when: str = "after step 1") -> list[
         if m.predicted:
             line += f"   total {m.measured.total / m.predicted.total - 1:+.0%}"
         lines.append(line)
+    return lines
+
+
+def startup_table(reports: list[RankMemory], when: str) -> list[str]:
+    """Each rank's start-up peak beside its steady state and the planner's prediction
+    (MiB): the tensors allocated building the optimizer (peak, kept), start-up
+    (weights + gradients + that peak) against the step's measured total, and the
+    process's RSS high-water through start-up and during the step alone."""
+    mib = 2**20
+
+    def figure(value: float | None, width: int, digits: int = 3) -> str:
+        return f"{value / mib:{width}.{digits}f}" if value is not None else f"{'-':>{width}}"
+
+    lines = [f"start-up against the steady state ({when}) per rank (MiB): tensors "
+             f"allocated building the optimizer, at their peak and kept; start-up "
+             f"(weights + gradients + that peak) against the step's measured total and "
+             f"the planner's; RSS high-water through start-up and during the step:",
+             f"  {'rank':>4}  {'stage':<11}{'build peak':>11}{'kept':>9}{'start-up':>10}"
+             f"{'steady':>9}{'planner':>9}{'RSS start':>11}{'RSS step':>10}"]
+    for m in reports:
+        if m.startup is None:
+            continue
+        startup = m.measured.weights + m.measured.gradients + m.startup.built_peak
+        lines.append(
+            f"  {m.rank:>4}  {m.where:<11}{figure(m.startup.built_peak, 11)}"
+            f"{figure(m.startup.built_kept, 9)}{figure(startup, 10)}"
+            f"{figure(m.measured.total, 9)}"
+            f"{figure(m.predicted.total if m.predicted else None, 9)}"
+            f"{figure(m.startup.rss_peak, 11, 1)}{figure(m.step_rss_peak, 10, 1)}")
     return lines
