@@ -153,6 +153,24 @@ def reset_rss_high_water() -> bool:
     return True
 
 
+class PhaseHighWater:
+    """The RSS high-water of one phase (a training step) apart from start-up, as a
+    context: ``phase`` (None where the high-water cannot be reset) and ``process``, the
+    process's over its whole life."""
+
+    phase: int | None = None
+    process: int = 0
+
+    def __enter__(self) -> "PhaseHighWater":
+        self._before = rss_peak_bytes()
+        self._reset = reset_rss_high_water()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.phase = rss_high_water() if self._reset else None
+        self.process = max(self._before, rss_peak_bytes())
+
+
 @dataclass(frozen=True)
 class StartupMemory:
     """A rank's memory once its optimizer is built."""
@@ -163,6 +181,11 @@ class StartupMemory:
     """...of which still alive once it was built: the optimizer's own tensors."""
     rss_peak: int | None
     """The process's RSS high-water once it was built (bytes; None: not measurable)."""
+
+    @classmethod
+    def measured(cls, meter: AllocationMeter) -> "StartupMemory":
+        """From ``meter``, which was active while the optimizer was built, now."""
+        return cls(meter.peak, meter.current, rss_high_water())
 
 
 @dataclass(frozen=True)

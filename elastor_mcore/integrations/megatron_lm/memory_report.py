@@ -74,20 +74,16 @@ class MemoryReport:
             chunks = model if isinstance(model, list) else [model]
             modules = [unwrap_model(c) for c in chunks]
             meter = memory.SavedTensorMeter(torch.nn.ModuleList(modules))
-            rss_before = memory.rss_peak_bytes()
-            reset = memory.reset_rss_high_water()
-            with meter:
+            with meter, memory.PhaseHighWater() as rss:
                 result = forward_backward(*args, **kwargs)
             self.done = True
-            step_rss = memory.rss_high_water() if reset else None
-            self._report(modules, meter.peak, groups, recipe,
-                         max(rss_before, memory.rss_peak_bytes()), step_rss)
+            self._report(modules, meter.peak, groups, recipe, rss)
             return result
         return measured
 
     def _report(self, modules: list[torch.nn.Module], activations_peak: int,
-                groups: RankGroups | None, recipe: Callable[[], Recipe], rss_peak: int,
-                step_rss_peak: int | None) -> None:
+                groups: RankGroups | None, recipe: Callable[[], Recipe],
+                rss: memory.PhaseHighWater) -> None:
         model = torch.nn.ModuleList(modules)
         measured = memory.measure(model, _inner_optimizers(self.optimizer)[0],
                                   [grad_buffer(p) for p in model.parameters()],
@@ -100,8 +96,8 @@ class MemoryReport:
         pos = groups.position
         mine = memory.RankMemory(
             groups.rank, f"P{pos.pipeline}.S{pos.stage}.tp{pos.tp_rank}", measured,
-            rss_peak, memory.device_peak_bytes(device),
-            self._predicted(recipe(), groups, device), self.startup, step_rss_peak)
+            rss.process, memory.device_peak_bytes(device),
+            self._predicted(recipe(), groups, device), self.startup, rss.phase)
         reports: list = [None] * dist.get_world_size(groups.active)
         dist.all_gather_object(reports, mine, group=groups.active)
         if device.type == "cuda":

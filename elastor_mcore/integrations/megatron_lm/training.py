@@ -220,8 +220,7 @@ def wrap_get_optimizer(original: Callable, installation: Installation) -> Callab
         with meter:
             optimizer = _build_optimizer(original, installation, config, model_chunks,
                                          *args, **kwargs)
-        installation.startup_memory = memory.StartupMemory(meter.peak, meter.current,
-                                                           memory.rss_high_water())
+        installation.startup_memory = memory.StartupMemory.measured(meter)
         return optimizer
     return get_megatron_optimizer
 
