@@ -37,27 +37,54 @@ _RESET_HIGH_WATER = "5"
 """``clear_refs``' value that resets the peak resident set (Linux 4.0+)."""
 
 
+class LiveStorages:
+    """Bytes of the storages added and not yet released, each counted once however many
+    tensors refer to it, and their peak."""
+
+    def __init__(self) -> None:
+        self._live: dict[int, list[int]] = {}  # storage -> [references, bytes]
+        self.current = 0
+        self.peak = 0
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._live
+
+    def add(self, key: int, nbytes: int) -> None:
+        """One more reference to storage ``key`` of ``nbytes`` bytes."""
+        entry = self._live.setdefault(key, [0, nbytes])
+        if entry[0] == 0:
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+
+    def release(self, key: int) -> None:
+        """One reference fewer; the storage's bytes go with the last."""
+        entry = self._live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self._live[key]
+
+
 class _Saved:
-    """A saved tensor, releasing its storage's count in the meter when autograd drops it."""
+    """A saved tensor, releasing its storage in the meter when autograd drops it."""
 
-    __slots__ = ("meter", "key", "tensor")
+    __slots__ = ("storages", "key", "tensor")
 
-    def __init__(self, meter: "SavedTensorMeter", key: int, tensor: torch.Tensor) -> None:
-        self.meter, self.key, self.tensor = meter, key, tensor
+    def __init__(self, storages: LiveStorages, key: int, tensor: torch.Tensor) -> None:
+        self.storages, self.key, self.tensor = storages, key, tensor
 
     def __del__(self) -> None:
-        self.meter.release(self.key)
+        self.storages.release(self.key)
 
 
-class SavedTensorMeter:
+class SavedTensorMeter(LiveStorages):
     """Counts the bytes autograd saves for backward while it is active (a
     ``saved_tensors_hooks`` context) and keeps their peak."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
         self._skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._live: dict[int, list[int]] = {}  # storage -> [saved tensors, bytes]
-        self.current = 0
-        self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
@@ -65,23 +92,12 @@ class SavedTensorMeter:
         key = storage.data_ptr()
         if key in self._skip or storage.nbytes() == 0:
             return tensor
-        entry = self._live.setdefault(key, [0, storage.nbytes()])
-        if entry[0] == 0:
-            self.current += entry[1]
-            self.peak = max(self.peak, self.current)
-        entry[0] += 1
+        self.add(key, storage.nbytes())
         return _Saved(self, key, tensor)
 
     @staticmethod
     def _unpack(saved):
         return saved.tensor if isinstance(saved, _Saved) else saved
-
-    def release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self._live[key]
 
     def __enter__(self) -> "SavedTensorMeter":
         self._hooks.__enter__()
@@ -91,17 +107,15 @@ class SavedTensorMeter:
         self._hooks.__exit__(*exc)
 
 
-class AllocationMeter(TorchDispatchMode):
+class AllocationMeter(TorchDispatchMode, LiveStorages):
     """Counts the bytes of the tensors allocated while it is active (every op's new
     storages, each once; tensors that existed before and views of them left out) that
     are still alive: ``current`` now, ``peak`` at its highest. Measures one piece of
     start-up code, such as building an optimizer: slow, never for training steps."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._live: dict[int, list[int]] = {}  # storage -> [live tensors, bytes]
-        self.current = 0
-        self.peak = 0
+        TorchDispatchMode.__init__(self)
+        LiveStorages.__init__(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -115,21 +129,10 @@ class AllocationMeter(TorchDispatchMode):
     def _track(self, tensor: torch.Tensor, inputs: set[int]) -> None:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if storage.nbytes() == 0 or (key in inputs and key not in self._live):
+        if storage.nbytes() == 0 or (key in inputs and key not in self):
             return
-        entry = self._live.setdefault(key, [0, storage.nbytes()])
-        if entry[0] == 0:
-            self.current += entry[1]
-            self.peak = max(self.peak, self.current)
-        entry[0] += 1
-        weakref.finalize(tensor, self._release, key)
-
-    def _release(self, key: int) -> None:
-        entry = self._live[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.current -= entry[1]
-            del self._live[key]
+        self.add(key, storage.nbytes())
+        weakref.finalize(tensor, self.release, key)
 
 
 def rss_high_water() -> int | None:
