@@ -174,10 +174,20 @@ class PhaseHighWater:
         self.process = max(self._before, rss_peak_bytes())
 
 
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s weights and of the gradient buffers they have now (fp32
+    ``main_grad`` where mixed precision made one, ``.grad`` where it exists)."""
+    return sum(p.nbytes + sum(g.nbytes for g in (getattr(p, "main_grad", None), p.grad)
+                              if g is not None)
+               for p in model.parameters())
+
+
 @dataclass(frozen=True)
 class StartupMemory:
     """A rank's memory once its optimizer is built."""
 
+    before: int
+    """Bytes of its weights and gradient buffers before the optimizer was built."""
     built_peak: int
     """Bytes of the tensors allocated while the optimizer was built, at their peak."""
     built_kept: int
@@ -185,10 +195,15 @@ class StartupMemory:
     rss_peak: int | None
     """The process's RSS high-water once it was built (bytes; None: not measurable)."""
 
+    @property
+    def peak(self) -> int:
+        """Bytes of the rank's tensors at the build's peak."""
+        return self.before + self.built_peak
+
     @classmethod
-    def measured(cls, meter: AllocationMeter) -> "StartupMemory":
+    def measured(cls, before: int, meter: AllocationMeter) -> "StartupMemory":
         """From ``meter``, which was active while the optimizer was built, now."""
-        return cls(meter.peak, meter.current, rss_high_water())
+        return cls(before, meter.peak, meter.current, rss_high_water())
 
 
 @dataclass(frozen=True)
@@ -259,9 +274,9 @@ def memory_table(reports: list[RankMemory], when: str = "after step 1") -> list[
 
 def startup_table(reports: list[RankMemory], when: str) -> list[str]:
     """Each rank's start-up peak beside its steady state and the planner's prediction
-    (MiB): the tensors allocated building the optimizer (peak, kept), start-up
-    (weights + gradients + that peak) against the step's measured total, and the
-    process's RSS high-water through start-up and during the step alone."""
+    (MiB): the tensors allocated building the optimizer (peak, kept), start-up (the
+    weights and gradient buffers held before + that peak) against the step's measured
+    total, and the process's RSS high-water through start-up and during the step alone."""
     mib = 2**20
 
     def figure(value: float | None, width: int, digits: int = 3) -> str:
@@ -269,17 +284,16 @@ def startup_table(reports: list[RankMemory], when: str) -> list[str]:
 
     lines = [f"start-up against the steady state ({when}) per rank (MiB): tensors "
              f"allocated building the optimizer, at their peak and kept; start-up "
-             f"(weights + gradients + that peak) against the step's measured total and "
+             f"(weights and gradients held before + that peak) against the step's total and "
              f"the planner's; RSS high-water through start-up and during the step:",
              f"  {'rank':>4}  {'stage':<11}{'build peak':>11}{'kept':>9}{'start-up':>10}"
              f"{'steady':>9}{'planner':>9}{'RSS start':>11}{'RSS step':>10}"]
     for m in reports:
         if m.startup is None:
             continue
-        startup = m.measured.weights + m.measured.gradients + m.startup.built_peak
         lines.append(
             f"  {m.rank:>4}  {m.where:<11}{figure(m.startup.built_peak, 11)}"
-            f"{figure(m.startup.built_kept, 9)}{figure(startup, 10)}"
+            f"{figure(m.startup.built_kept, 9)}{figure(m.startup.peak, 10)}"
             f"{figure(m.measured.total, 9)}"
             f"{figure(m.predicted.total if m.predicted else None, 9)}"
             f"{figure(m.startup.rss_peak, 11, 1)}{figure(m.step_rss_peak, 10, 1)}")

@@ -240,6 +240,7 @@ def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache,
         model = build_stage_model(recipe, groups, pg_collection)
         initialize_weights(model, recipe, seed)
         model.to(device)
+    before = memory.held_bytes(model) if measure_startup and model is not None else 0
     meter = memory.AllocationMeter() if measure_startup else None
     with meter or contextlib.nullcontext():
         optimizer, grad_sync = _build_optimizer(recipe, layout, model, cache)
@@ -252,7 +253,7 @@ def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache,
     comm = StageCommunicator(links, shape, dtype, device)
     return StageRunner(recipe, groups, model, optimizer, grad_sync, comm, device,
                        SequenceParallelGrads(model, groups.tp),
-                       memory.StartupMemory.measured(meter) if meter else None)
+                       memory.StartupMemory.measured(before, meter) if meter else None)
 
 
 def _build_optimizer(recipe: Recipe, layout: Layout, model: torch.nn.Module | None,

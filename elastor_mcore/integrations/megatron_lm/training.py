@@ -216,11 +216,13 @@ def wrap_get_optimizer(original: Callable, installation: Installation) -> Callab
         if installation.layout is None or not installation.options().report_memory:
             return _build_optimizer(original, installation, config, model_chunks,
                                     *args, **kwargs)
+        chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+        before = memory.held_bytes(torch.nn.ModuleList(chunks))
         meter = memory.AllocationMeter()
         with meter:
             optimizer = _build_optimizer(original, installation, config, model_chunks,
                                          *args, **kwargs)
-        installation.startup_memory = memory.StartupMemory.measured(meter)
+        installation.startup_memory = memory.StartupMemory.measured(before, meter)
         return optimizer
     return get_megatron_optimizer
 
