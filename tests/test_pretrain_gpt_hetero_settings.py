@@ -292,7 +292,8 @@ def test_bf16_distributed_optimizer_builds_only_each_ranks_shard(runs):
     """``--bf16 --use-distributed-optimizer``: building the optimizer allocates, on every
     rank, ZeRO-1's fp32 main parameters and reduced-gradient segments of its shard and
     nothing of the size of its stage (Megatron's bf16 optimizer copied the whole stage to
-    fp32 first, and kept the copy); the start-up peak stays below the steady state."""
+    fp32 first, and kept the copy); the start-up peak stays below the steady state,
+    measured and planned (the copy put ranks 3-5 above the plan)."""
     run = runs.distopt_bf16
     rows = startup_rows(run)
     allocated = {int(r): int(b) / 2**20 for r, b in _ZERO_ALLOCATED.findall(run.stdout)}
@@ -305,4 +306,4 @@ def test_bf16_distributed_optimizer_builds_only_each_ranks_shard(runs):
         weights = memory[rank]["weights"][0]  # bf16: the fp32 copy is twice this
         assert row["build peak"] <= allocated[rank] + BUILD_SLACK_MIB, (rank, row, weights)
         assert row["kept"] <= allocated[rank] + BUILD_SLACK_MIB, (rank, row, weights)
-        assert row["start-up"] <= row["steady"], (rank, row)
+        assert row["start-up"] <= min(row["steady"], row["planner"]), (rank, row)
