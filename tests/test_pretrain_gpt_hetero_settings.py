@@ -1,8 +1,10 @@
 """The settings production Llama recipes turn on, through Megatron-LM's loop on a
 heterogeneous layout: ``--sequence-parallel``, ``--overlap-grad-reduce``,
 ``--overlap-param-gather`` (with the distributed optimizer) and tied embeddings on
-pipelines of several stages. The real patched ``pretrain_gpt.py`` under torchrun on
-CPU/gloo, fp32 (``tests/pretrain_gpt_run.py``), on 6 ranks:
+pipelines of several stages, and the distributed optimizer's start-up memory under
+``--bf16`` (its build allocates each rank's shard only). The real patched
+``pretrain_gpt.py`` under torchrun on CPU/gloo, fp32 but for that one run
+(``tests/pretrain_gpt_run.py``), on 6 ranks:
 
     pipelines:
       - {micro_batches: 5, stages: [{tp: 2, layers: 4}, {tp: 1, layers: 2}, {tp: 2, layers: 2}]}
