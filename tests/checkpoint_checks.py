@@ -59,18 +59,29 @@ def small_tmpfs(where: Path, size: str) -> Iterator[str | None]:
 def write_world_result(out: Path, report: dict, plan) -> None:
     """Gather every rank's ``report`` and, on rank 0, write ``out/result.json`` with the
     reports and the save's write plan (bytes per rank; units as key, offset, shape,
-    holders, writer; global shapes). Collective over the world."""
+    holders, writer; global shapes). No rank holds the whole plan: each tensor's
+    units and holders come from its owner (``plan.owned``), each unit's writer from
+    the rank that wrote it, the entries from the coordinator (rank 0). Collective over
+    the world."""
+    import dataclasses
     import json
 
     import torch.distributed as dist
 
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
+    from elastor_mcore.checkpoint import WritePlan
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (report, list(plan.owned), [
+        (u.key, u.box.offset, u.writer) for u in plan.units]))
     if dist.get_rank() == 0:
+        writers = {(key, offset): w for *_, written in gathered for key, offset, w in written}
+        units = [dataclasses.replace(u, writer=writers[u.key, u.box.offset])
+                 for _, owned, _ in gathered for u in owned]
+        whole = WritePlan(plan.entries, units)
         (out / "result.json").write_text(json.dumps(dict(
-            ranks=reports,
-            bytes_by_rank={str(k): v for k, v in plan.bytes_by_rank().items()},
+            ranks=[r for r, *_ in gathered],
+            bytes_by_rank={str(k): v for k, v in whole.bytes_by_rank().items()},
             units=[[u.key, list(u.box.offset), list(u.box.shape), list(u.holders), u.writer]
-                   for u in plan.units],
-            shapes={k: list(e.shape) for k, e in plan.entries.items()})))
+                   for u in whole.units],
+            shapes={k: list(e.shape) for k, e in whole.entries.items()})))
     dist.barrier()

@@ -253,6 +253,15 @@ def test_corrupted_chunk_names_the_tensor(tmp_path):
         ck.load(tmp_path, [target])
 
 
+def test_missing_file_fails_the_load_instead_of_reading_zeros(tmp_path):
+    save_quarters(tmp_path, torch.float32)
+    data_file = tmp_path / "step_00000001" / "w" / "c" / "0" / "0"
+    data_file.unlink()
+    target = ck.LocalShard("w", SHAPE, (0, 0), torch.empty(SHAPE))
+    with pytest.raises(ck.CheckpointError, match=r"tensor w: file .* is missing.*another step"):
+        ck.load(tmp_path, [target])
+
+
 def test_check_compatible_names_the_field(tmp_path):
     save_quarters(tmp_path, torch.float32)
     manifest = ck.open(tmp_path).manifest

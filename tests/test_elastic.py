@@ -1,8 +1,10 @@
-"""Recovery end to end, on CPU slots: ``elastor launch`` through a kill and a hang
+"""Recovery by relaunch (``--recovery relaunch``; recovery in place, the default, is
+``test_inplace.py``) end to end, on CPU slots: ``elastor launch`` through a kill and a hang
 (4 -> 3 -> 2 slots) resumes each time from the last checkpoint before the failure and
 ends with the weights and losses of an uninterrupted run; on an ``s3://`` checkpoint
 root, a relaunch resumes from S3 and a failure that leaves too few slots gives up with
-a clear message and keeps the last checkpoint. One supervised run serves the recovery
+a clear message and keeps the last checkpoint; a latest step that lost a file is
+resumed from the step before. One supervised run serves the recovery
 tests (worlds cost seconds each); it saves synchronously, so which step each relaunch
 resumes from is determined (an asynchronous save may still be in flight when a rank
 fails).
@@ -10,6 +12,7 @@ fails).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +27,7 @@ from elastor_mcore.elastic.report import read_metrics
 from tests.conftest import REPO, TINY
 from tests.s3_server import s3_environment
 from tests.single_process_reference import (SAVE_INTERVAL as SAVE_INTERVAL_REFERENCE,
-                                            reference_losses)
+                                            STEPS as REFERENCE_STEPS, reference_losses)
 
 STEPS = 8
 SAVE_INTERVAL = 2
@@ -85,7 +88,8 @@ def recovered(tmp_path_factory):
         ["--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--slots", "4",
          "--steps", str(STEPS), "--run-dir", str(run_dir), "--save-interval",
          str(SAVE_INTERVAL), "--no-async-save", "--failure-plan", plan,
-         "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--devices", "cpu"])
+         "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--devices", "cpu",
+         "--recovery", "relaunch"])
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     return run_dir, json.loads((run_dir / "timeline.json").read_text()), result.stdout
 
@@ -156,7 +160,7 @@ def test_relaunch_resumes_from_s3_until_too_few_survivors_give_up(tmp_path, refe
             ["--recipe", str(TINY), "--hardware", hardware, "--slots", "3", "--steps", "8",
              "--run-dir", str(run_dir), "--checkpoint-dir", str(root), "--save-interval",
              "2", "--keep-checkpoints", "1", "--no-async-save", "--failure-plan", plan,
-             "--devices", "cpu"])
+             "--devices", "cpu", "--recovery", "relaunch"])
         assert result.returncode == 1, result.stdout[-5000:] + result.stderr[-5000:]
         print("\n".join(l for l in result.stdout.splitlines() if "step " not in l))
         assert f"checkpoints: {root}" in result.stdout
@@ -180,3 +184,37 @@ def test_relaunch_resumes_from_s3_until_too_few_survivors_give_up(tmp_path, refe
         assert [m["step"] for m in metrics] == list(ran), launch["dir"]
         for m in metrics:
             assert abs(m["loss"] - expected[m["step"]]) / abs(expected[m["step"]]) <= TOLERANCE
+
+
+@pytest.mark.timeout(600)
+def test_a_damaged_latest_step_is_resumed_from_the_step_before(tmp_path,
+                                                               single_process_reference):
+    """The run's latest committed step lost a file: the first launch cannot load it and
+    says so (``load_failed``), the next resumes from the committed step before and
+    continues the uninterrupted run's losses; the damaged step is saved again."""
+    expected = reference_losses(single_process_reference, REFERENCE_STEPS)
+    root = tmp_path / "checkpoints"
+    shutil.copytree(single_process_reference / "ckpt", root)
+    latest = REFERENCE_STEPS
+    assert checkpoint.committed_steps(root) == [latest - SAVE_INTERVAL_REFERENCE, latest]
+    key = "decoder.layers.0.self_attention.linear_proj.weight"
+    lost = next((root / step_dir_name(latest) / key / "c").glob("*/*"))
+    lost.unlink()
+    result = elastor_launch(
+        ["--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--slots", "2",
+         "--steps", str(latest), "--run-dir", str(tmp_path / "run"), "--checkpoint-dir",
+         str(root), "--save-interval", str(SAVE_INTERVAL_REFERENCE), "--no-async-save",
+         "--devices", "cpu"])
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    before = latest - SAVE_INTERVAL_REFERENCE
+    assert (f"launch 0 could not load step {latest} (CheckpointError:" in result.stdout
+            and f"{lost} is missing" in result.stdout
+            and f"the next launch resumes from step {before}, the committed one before it"
+            in result.stdout), result.stdout[-5000:]
+    launches = json.loads((tmp_path / "run" / "timeline.json").read_text())["launches"]
+    assert [l["resumed_from"] for l in launches] == [latest, before]
+    metrics = read_metrics(f"{launches[1]['dir']}/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(before + 1, latest + 1))
+    for m in metrics:
+        assert abs(m["loss"] - expected[m["step"]]) / abs(expected[m["step"]]) <= TOLERANCE
+    assert checkpoint.open(root).read(key).isfinite().all()  # step 16 again, whole

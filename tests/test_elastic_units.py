@@ -101,8 +101,8 @@ def test_hang_timeout_follows_the_measured_step_times():
 
 def test_heartbeats_time_each_step_from_the_previous_beat(tmp_path, monkeypatch):
     """A rank times every step from its previous beat (the load, the previous step, or
-    the end of a save: a save between two steps is not a step's time); the beat carries
-    the p99 of those times."""
+    the end of a save: a save between two steps, Megatron-LM's, is not a step's time; a
+    save inside a step, the trainer's, is); the beat carries the p99 of those times."""
     now = [100.0]
     monkeypatch.setattr(protocol.time, "time", lambda: now[0])
     writer = HeartbeatWriter(tmp_path, 3, 1)
@@ -120,6 +120,15 @@ def test_heartbeats_time_each_step_from_the_previous_beat(tmp_path, monkeypatch)
     last = at(111.5, 7)                               # 1.5 s, the save left out
     assert (last.steps_timed, last.step_p99_s, last.busy) == (3, 2.0, None)
     assert writer.durations == collections.deque([2.0, 1.0, 1.5])
+    # The trainer saves inside a step (``StepHooks.busy`` before its ``step_end``): the
+    # step's beat times the step with its save, so the save never reads as a hang.
+    assert at(112.0, 7, busy="save").busy == "save"  # step 8's save begins after 0.5 s
+    assert at(115.5, 8).step_p99_s == 4.0            # step 8 with its save: 4 s
+    # A recovery in place (``ElasticHooks.recovering``): the new layout's own pace.
+    writer.new_layout()
+    assert at(116.0, 8, stepping=False).steps_timed == 0  # recovering, from step 8
+    restored = at(116.5, 9)                               # 0.5 s on the new layout
+    assert (restored.steps_timed, restored.step_p99_s) == (1, 0.5)
 
 
 def test_survivor_slots_become_contiguous_torchrun_ranks():
@@ -133,9 +142,10 @@ def test_survivor_slots_become_contiguous_torchrun_ranks():
     assert [s.ranks for p in ranked.pipelines for s in p.stages] == [(2,), (0,), (1, 3)]
 
 
-def test_megatron_ranks_end_with_a_last_stage():
-    """Megatron-LM logs the loss from its highest rank: the highest slot of a last stage
-    becomes the last torchrun rank, the others keep their order."""
+def test_megatron_ranks_increase_along_every_pipeline():
+    """Megatron-Core takes a rank's stage from its place in its pipeline group (ordered
+    by rank), and Megatron-LM logs the loss from its highest rank: torchrun ranks go
+    pipeline by pipeline, stage by stage."""
     layout = layout_from_dict({"pipelines": [
         {"micro_batches": 16, "stages": [{"tp": 2, "layers": 4, "ranks": [6, 7]},
                                          {"tp": 1, "layers": 4, "ranks": [1]}]},
@@ -145,9 +155,17 @@ def test_megatron_ranks_end_with_a_last_stage():
                                  "untie_embeddings_and_output_weights": True})
     workload = MegatronLM(MegatronSettings(), (), job, "recipe.yaml")
     order = workload.rank_order(layout)
-    assert order == (0, 6, 7, 1)
+    assert order == (6, 7, 1, 0)
     ranked = renumbered(layout, order)
-    assert max(ranked.ranks) in ranked.pipelines[0].stages[-1].ranks
+    assert max(ranked.ranks) in ranked.pipelines[-1].stages[-1].ranks
+    # the layout an elastic run planned on slots [0, 2, 4, 5, 7, 1], whose last stage
+    # held torchrun rank 0 under the former order: every rank built a stage's modules
+    # by its place in an ordered pipeline group, so a middle stage built the loss
+    planned = layout_from_dict({"pipelines": [{"micro_batches": 16, "stages": [
+        {"tp": 1, "layers": 1, "ranks": [2]}, {"tp": 1, "layers": 1, "ranks": [5]},
+        {"tp": 2, "layers": 3, "ranks": [4, 7]}, {"tp": 2, "layers": 3, "ranks": [0, 1]}]}]})
+    stages = renumbered(planned, workload.rank_order(planned)).pipelines[0].stages
+    assert [list(s.ranks) for s in stages] == [[0], [1], [2, 3], [4, 5]]
     # Megatron-LM's loop refuses the layout on its slots' own order, not on this one
     assert "not a last stage" in workload.refusal(renumbered(layout, sorted(layout.ranks)))
     assert workload.refusal(ranked) is None

@@ -36,7 +36,7 @@ ENTRIES = {
 
 
 def write_array(step_dir: Path, key: str, entry: TensorEntry, seed: int) -> torch.Tensor:
-    """Random values with zero blocks (so some chunks and files are never written)."""
+    """Random values with zero blocks (stored like any other chunk: format version 2)."""
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(entry.shape, generator=g).to(DTYPES[entry.dtype])
     zero = [slice(0, max(1, n // 3)) for n in entry.shape]
@@ -101,20 +101,57 @@ def test_random_boxes_match_tensorstore(tmp_path, monkeypatch, name, dtype, seed
     assert torch.equal(targets[0].data, full)
 
 
-def test_absent_chunks_and_files_read_as_fill_value(tmp_path):
-    entry = ENTRIES["even"]
+def write_version_1(step_dir: Path, entry: TensorEntry) -> torch.Tensor:
+    """An array as format version 1 stored it: TensorStore leaving chunks of zeros
+    unwritten, here a whole file (0, 0) and one chunk of file (1, 1)."""
     full = torch.randn(entry.shape)
-    full[:48, :32] = 0      # a whole file of zeros: never written
-    full[48:60, 32:48] = 0  # one chunk of zeros: absent in its file's index
-    arr = ts.open(array_spec(tmp_path, "x", entry), create=True).result()
-    arr[...] = full.numpy()
-    assert not (tmp_path / "x" / "c" / "0" / "0").exists()
-    raw = (tmp_path / "x" / "c" / "1" / "1").read_bytes()
-    index = np.frombuffer(raw[-(16 * 8 + 4):-4], "<u8").reshape(8, 2)
+    full[:48, :32] = 0
+    full[48:60, 32:48] = 0
+    spec = array_spec(step_dir, "x", entry)
+    spec["store_data_equal_to_fill_value"] = False
+    ts.open(spec, create=True).result()[...] = full.numpy()
+    assert not (step_dir / "x" / "c" / "0" / "0").exists()
+    return full
+
+
+def index_of(path: Path, chunks: int) -> np.ndarray:
+    return np.frombuffer(path.read_bytes()[-(16 * chunks + 4):-4], "<u8").reshape(chunks, 2)
+
+
+def test_version_1_absent_chunks_and_files_read_as_fill_value(tmp_path):
+    entry = ENTRIES["even"]
+    full = write_version_1(tmp_path, entry)
+    index = index_of(tmp_path / "x" / "c" / "1" / "1", 8)
     assert index[0, 0] == fast_read.ABSENT and (index[1:] != fast_read.ABSENT).all()
     out = ck.LocalShard("x", entry.shape, (0, 0), torch.full(entry.shape, 3.0))
-    both_ways(tmp_path, Manifest(step=1, tensors={"x": entry}), [out])
+    both_ways(tmp_path, Manifest(step=1, tensors={"x": entry}, format_version=1), [out])
     assert torch.equal(out.data, full)
+
+
+def test_version_2_stores_chunks_of_zeros(tmp_path):
+    entry = ENTRIES["even"]
+    full = write_array(tmp_path, "x", entry, seed=4)
+    assert (full[:32, :21] == 0).all()  # the zero block spans whole chunks of file (0, 0)
+    for path in (tmp_path / "x" / "c").glob("*/*"):
+        assert (index_of(path, 8) != fast_read.ABSENT).all(), path
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "tensorstore"])
+@pytest.mark.parametrize("damage", ["file", "chunk"])
+def test_version_2_missing_file_or_chunk_is_damage(tmp_path, fast, damage):
+    """A step of version 2 stores every chunk, so what is missing was lost: the read
+    fails naming the tensor and file, on both read paths, instead of reading zeros."""
+    entry = ENTRIES["even"]
+    if damage == "file":
+        write_array(tmp_path, "x", entry, seed=7)
+        path = tmp_path / "x" / "c" / "1" / "0"
+        path.unlink()
+    else:  # a chunk absent from its file's index
+        write_version_1(tmp_path, entry)
+        path = tmp_path / "x" / "c" / "1" / "1"
+    target = ck.LocalShard("x", entry.shape, (48, 0), torch.empty(48, 64))  # files (1, *)
+    with pytest.raises(ck.CheckpointError, match=rf"tensor x: .*{path}.*(damaged|corrupted)"):
+        reader.read_boxes(tmp_path, Manifest(step=1, tensors={"x": entry}), [target], fast=fast)
 
 
 def test_saved_checkpoint_loads_through_fast_path(tmp_path):

@@ -290,7 +290,8 @@ def test_prune_keeps_the_newest_zarr_checkpoints(tmp_path):
 # ----------------------------------------------------------------- recipes
 
 
-@pytest.mark.parametrize("name", ["llama2-7b", "llama2-13b", "llama3-8b", "llama3-70b"])
+@pytest.mark.parametrize("name", ["llama2-7b", "llama2-13b", "llama3-8b", "llama3-70b",
+                                  "llama3-405b"])
 def test_recipe_builds_transformer_config(name):
     from elastor_mcore.runtime.model import transformer_config
 

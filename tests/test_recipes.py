@@ -16,8 +16,10 @@ PUBLISHED = {  # parameters, from each recipe's cited source
     "llama2-13b": 13.02e9,
     "llama3-8b": 8.03e9,
     "llama3-70b": 70.55e9,
+    "llama3-405b": 405e9,
 }
-SEQ = {"llama2-7b": 4096, "llama2-13b": 4096, "llama3-8b": 8192, "llama3-70b": 8192}
+SEQ = {"llama2-7b": 4096, "llama2-13b": 4096, "llama3-8b": 8192, "llama3-70b": 8192,
+       "llama3-405b": 8192}
 
 
 @pytest.fixture(params=sorted(PUBLISHED))
@@ -39,7 +41,7 @@ def test_training_settings(recipe):
     assert recipe.source and "config.json" in recipe.source
     assert recipe.training.params_dtype == "bfloat16"
     assert recipe.training.micro_batch_size == 1
-    assert recipe.training.global_batch_size in (512, 1024)
+    assert recipe.training.global_batch_size in (512, 1024, 2048)
     assert recipe.model.seq_length == SEQ[recipe.name]
 
 

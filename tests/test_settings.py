@@ -30,7 +30,8 @@ RUN = RunSettings(recipe="r.yaml", layout="l.yaml", steps=7, seed=3, metrics_out
                                      on_error="continue"),
                   load_dir="load", report_memory=True, allow_data_change=True, data=DATA,
                   failure_plan="plan.yaml", hardware="hw.yaml", elastic_dir="launch0",
-                  rank_slots=(0, 2, 5))
+                  rank_slots=(0, 2, 5), memory_interval=3, recovery="relaunch",
+                  replan_all_slots=True)
 ROUND = RoundSettings(node_name="a", node_dir="run/nodes/a/0", store_endpoint="h:29500",
                       job_id="job", devices="cuda", probe_timeout=12.5, health_file="dead.yaml",
                       use_all_slots=True)
@@ -67,7 +68,8 @@ def test_every_field_is_set(settings, skip):
 
 
 LAUNCH = Launch(directory="run/launch0", layout="run/launch0/layout.yaml", slots=(0, 2, 5),
-                checkpoint_dir="s3://bucket/prefix", load_step=4, hardware="hw.yaml")
+                checkpoint_dir="s3://bucket/prefix", load_step=4, hardware="hw.yaml",
+                use_all_slots=True)
 
 
 def test_the_training_rank_reads_back_every_run_setting():
@@ -75,8 +77,9 @@ def test_the_training_rank_reads_back_every_run_setting():
                        save_dir=LAUNCH.checkpoint_dir,
                        load_dir="s3://bucket/prefix/step_00000004",
                        elastic_dir=LAUNCH.directory, rank_slots=LAUNCH.slots,
-                       hardware=LAUNCH.hardware)
-    assert worker.parse_args(Trainer(RUN).launch_command(LAUNCH).args) == launched
+                       hardware=LAUNCH.hardware, replan_all_slots=LAUNCH.use_all_slots)
+    run = replace(RUN, replan_all_slots=False)  # the launch sets it
+    assert worker.parse_args(Trainer(run).launch_command(LAUNCH).args) == launched
 
 
 def test_a_round_rank_reads_back_the_run_and_the_node_launchers_settings():

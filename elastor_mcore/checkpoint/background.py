@@ -8,12 +8,15 @@ system only:
 * the temporary directory's name carries a token the coordinator chose for this save,
   so no rank can mistake a stale directory of an earlier, interrupted save for it;
   the coordinator first removes such stale ``.tmp_*`` entries;
-* every writer writes its units from the staged copies, then a marker in the step's
-  temporary directory: ``done.rank<N>`` once its files are durable (TensorStore
-  fsyncs each file), or ``failed.rank<N>`` holding the error;
+* every rank writes its units from the staged copies (none, where its replicas
+  write everything it holds), then a marker in the step's temporary directory:
+  ``done.rank<N>`` once its files are durable (TensorStore fsyncs each file),
+  holding how many it wrote, or ``failed.rank<N>`` holding the error;
 * the coordinator also writes the array metadata and its own units, then waits for
-  every other writer's marker (noticing failures at once, giving up after a timeout),
-  removes the markers and commits (manifest, rename, ``latest``, prune).
+  every other rank's marker (noticing failures at once, giving up after a timeout),
+  removes the markers and commits (manifest, rename, ``latest``, prune). No rank
+  knows the whole plan: the holders of each set of units chose their writers among
+  themselves (``plan.merge``), so the coordinator waits for every rank.
 
 If any rank dies before the commit, the directory keeps its ``.tmp_`` name: loaders
 never see it and the next save, or the next start, deletes it. Where the backend
@@ -57,6 +60,8 @@ class WriteJob:
     sources: Sources
     """This rank's units with their staged copies (owned by the job until it ends)."""
     rank: int
+    ranks: tuple[int, ...]
+    """Every rank of the save's group."""
     coordinator: bool
     manifest_extra: dict[str, Any] | None
     on_commit: Callable[[], None] | None
@@ -85,14 +90,14 @@ class BackgroundSave:
     def _run(self) -> None:
         job = self.job
         start = time.perf_counter()
-        marks = not job.coordinator and bool(job.sources)  # the coordinator waits for it
+        marks = not job.coordinator  # the coordinator waits for every other rank
         try:
             if job.coordinator:
                 remove_stale(job.tmp.parent, keep=job.tmp.name)
             write_share(job.tmp, job.plan, job.sources, job.coordinator)
             if marks:
                 storage_for(job.tmp).write_durably(done_marker(job.tmp, job.rank),
-                                                   f"{time.time()}\n")
+                                                   f"{time.time()} {len(job.sources)}\n")
         except BaseException as exc:  # reported through the marker and join()
             self.error = exc
             if marks:
@@ -103,16 +108,24 @@ class BackgroundSave:
                      time.perf_counter() - start)
             return
         try:
-            others = sorted({u.writer for u in job.plan.units} - {job.rank})
+            others = sorted(set(job.ranks) - {job.rank})
             own_s = time.perf_counter() - start
             wait_for_markers(job.tmp, others, job.commit_timeout_s(own_s))
+            writers = bool(job.sources) + sum(_wrote(job.tmp, rank) for rank in others)
             for rank in others:
                 done_marker(job.tmp, rank).unlink()
-            commit(job.tmp, job.path, job.step, job.plan, job.manifest_extra, job.on_commit)
+            commit(job.tmp, job.path, job.step, job.plan, job.manifest_extra, job.on_commit,
+                   writers)
             log.info("step %d committed in the background %.3fs after the save began",
                      job.step, time.perf_counter() - start)
         except BaseException as exc:
             self.error = exc
+
+
+def _wrote(tmp: Location, rank: int) -> bool:
+    """Whether ``rank``'s done marker says it wrote files."""
+    _, units = done_marker(tmp, rank).read_text().split()
+    return int(units) > 0
 
 
 def _mark_failed(tmp: Location, rank: int, exc: BaseException) -> None:

@@ -1,18 +1,25 @@
 """The few collectives a save or load needs, and single-process fallbacks.
 
-Every step that can fail locally ends in ``agree``: each rank contributes its error
-(or ``None``) and all ranks raise together, so one rank's bad input or I/O error never
+Every step that can fail locally ends in a collective that carries the error (``agree``,
+``Comm.agree``, or ``Comm.exchange``'s ``error``): each rank contributes its error (or
+``None``) and all ranks raise together, so one rank's bad input or I/O error never
 leaves the others hanging in the next collective (DCP's ``_DistWrapper`` idea).
 Without an initialised process group everything runs as a world of one.
+
+What a rank sends and receives must not grow with the job (16,384 ranks): ``Comm``
+agrees with one integer ``all_reduce`` (messages are gathered only when a rank failed)
+and moves plans with a sparse all-to-all (``exchange``) in which a rank hears only from
+the ranks that have something for it. See docs/checkpoint-format.md, "Planning at
+scale".
 """
 
 from __future__ import annotations
 
-from typing import Any
+import pickle
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 from elastor_mcore.checkpoint.format import CheckpointError
-from elastor_mcore.geometry import ShardInfo
-from elastor_mcore.parallel.shards import gather_shard_infos
 
 
 def _dist():
@@ -60,8 +67,139 @@ def check(messages: list[str | None], what: str, cause: BaseException | None = N
                               + " | ".join(failures)) from cause
 
 
-def gather_infos(local: list[ShardInfo], group=None) -> dict[int, list[ShardInfo]]:
-    """Every rank's shard descriptions keyed by global rank (see ``parallel.shards``)."""
-    if _dist() is None:
-        return {0: list(local)}
-    return gather_shard_infos(local, group)
+def pickled(outgoing: dict[int, Any]) -> dict[int, bytes]:
+    """Each message of ``outgoing`` pickled, and an object sent to many ranks (the
+    coordinator's step directory, to every rank of a load) only once: the sender's
+    work follows the objects it sends, not the ranks it sends them to."""
+    done: dict[int, bytes] = {}
+    out = {}
+    for rank, message in outgoing.items():
+        if id(message) not in done:
+            done[id(message)] = pickle.dumps(message)
+        out[rank] = done[id(message)]
+    return out
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What a failed rank sends every rank in an ``exchange`` instead of its message."""
+
+    message: str
+
+
+class Comm:
+    """The collectives of one save or load on ``group`` (default: the world), with
+    global ranks throughout. Every rank of the group makes the same calls in the same
+    order; ``calls`` counts them."""
+
+    def __init__(self, group=None) -> None:
+        self.group = group
+        dist = _dist()
+        if dist is None:
+            self.rank, self.ranks = 0, [0]
+        else:
+            self.rank = dist.get_rank()
+            self.ranks = (dist.get_process_group_ranks(group) if group is not None
+                          else list(range(dist.get_world_size())))
+        self.calls = 0
+
+    @property
+    def coordinator(self) -> int:
+        """The rank that commits (rank 0 of the group)."""
+        return self.ranks[0]
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    def _device(self):
+        import torch
+        import torch.distributed as dist
+
+        return torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+
+    def sum(self, values: Sequence[int]) -> list[int]:
+        """Every rank's ``values`` added up, element by element (one ``all_reduce``)."""
+        dist = _dist()
+        if dist is None:
+            return list(values)
+        import torch
+
+        total = torch.tensor(list(values), dtype=torch.int64, device=self._device())
+        dist.all_reduce(total, group=self.group)
+        self.calls += 1
+        return total.tolist()
+
+    def failures(self, *errors: BaseException | None) -> list[tuple[str | None, ...]]:
+        """Every rank's ``errors`` described (``describe``), in group order, when any
+        rank has one; ``[]`` when none does. One integer ``all_reduce``, and an
+        ``all_gather`` of the messages only when some rank failed."""
+        counts = self.sum([e is not None for e in errors])
+        return self.messages(*errors) if any(counts) else []
+
+    def messages(self, *errors: BaseException | None) -> list[tuple[str | None, ...]]:
+        """Every rank's ``errors`` described, in group order (one ``all_gather``: only
+        once a rank is known to have failed)."""
+        self.calls += 1
+        return all_gather(tuple(describe(e) for e in errors), self.group)
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raise ``CheckpointError`` on every rank if any rank's ``error`` is set."""
+        check([m for m, in self.failures(error)], what, error)
+
+    def exchange(self, outgoing: dict[int, Any], what: str,
+                 error: BaseException | None = None) -> dict[int, Any]:
+        """Send ``outgoing[r]`` to each rank ``r``; returns what the ranks that sent
+        this rank something sent, by sender. A sparse all-to-all: one
+        ``all_to_all_single`` of sizes (8 bytes per rank of the group), one of the
+        pickled messages. With ``error``, this rank sends it to every rank instead,
+        and every rank raises ``CheckpointError`` naming every failed rank."""
+        if error is not None:
+            outgoing = dict.fromkeys(self.ranks, Failed(describe(error)))
+        dist = _dist()
+        if dist is None:
+            incoming = dict(outgoing)
+        else:
+            incoming = self._all_to_all(outgoing)
+        failed = [m.message for m in incoming.values() if isinstance(m, Failed)]
+        check(failed, what, error)
+        return incoming
+
+    def _all_to_all(self, outgoing: dict[int, Any]) -> dict[int, Any]:
+        import torch
+        import torch.distributed as dist
+
+        device = self._device()
+        messages = pickled({r: m for r, m in outgoing.items() if r != self.rank})
+        blobs = [messages.get(r, b"") for r in self.ranks]
+        send_sizes = [len(b) for b in blobs]
+        sizes = torch.tensor(send_sizes, dtype=torch.int64, device=device)
+        receive_sizes = torch.empty_like(sizes)
+        dist.all_to_all_single(receive_sizes, sizes, group=self.group)
+        receive_sizes = receive_sizes.tolist()
+        data = b"".join(blobs)
+        send = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+                else torch.empty(0, dtype=torch.uint8)).to(device)
+        received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self.group)
+        self.calls += 2
+        raw = received.cpu().numpy().tobytes()
+        incoming, start = {}, 0
+        for rank, size in zip(self.ranks, receive_sizes):
+            if size:
+                incoming[rank] = pickle.loads(raw[start:start + size])
+            start += size
+        if self.rank in outgoing:
+            incoming[self.rank] = outgoing[self.rank]
+        return dict(sorted(incoming.items()))
+
+    def broadcast(self, value: Any) -> Any:
+        """The coordinator's ``value`` on every rank (one ``broadcast_object_list``)."""
+        dist = _dist()
+        if dist is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=self.coordinator, group=self.group)
+        self.calls += 1
+        return box[0]

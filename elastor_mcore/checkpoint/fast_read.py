@@ -42,7 +42,8 @@ READ_THREADS = 4
 release the GIL, so warm reads use the cores the rank has."""
 
 ABSENT = 2**64 - 1
-"""Index entry of a chunk that was never written: it reads as the fill value."""
+"""Index entry of a chunk that was never written: the fill value in a version-1 step,
+damage in a newer one (``Manifest.every_chunk_stored``)."""
 
 CRC_BYTES = 4
 READ_BYTES = 256 * 1024
@@ -78,6 +79,8 @@ class _FileRead:
     axes: list[list[_Axis]]
     """Per dimension, the file's inner chunks that meet the target, ascending: the
     chunks are their product, in the order of the file's index."""
+    missing_is_damage: bool
+    """A missing file or chunk fails the read (version 2) instead of reading zeros."""
 
 
 @dataclass(frozen=True)
@@ -96,12 +99,14 @@ class _Axis:
 
 
 def read_targets(step_dir: Path, entries: dict[str, TensorEntry],
-                 targets: Sequence[LocalShard]) -> None:
+                 targets: Sequence[LocalShard], *, missing_is_damage: bool) -> None:
     """Fill every target's ``data`` with its box of the stored tensor.
 
-    Raises one ``CheckpointError`` naming every failing tensor and file.
+    Raises one ``CheckpointError`` naming every failing tensor and file; with
+    ``missing_is_damage`` a missing file or chunk is one (else it reads as zeros).
     """
-    reads = [r for t in targets for r in _file_reads(step_dir, entries[t.key], t)]
+    reads = [r for t in targets
+             for r in _file_reads(step_dir, entries[t.key], t, missing_is_damage)]
     failures: list[str] = []
     total = 0
     with ThreadPoolExecutor(max_workers=min(READ_THREADS, max(1, len(reads)))) as pool:
@@ -120,7 +125,8 @@ def read_targets(step_dir: Path, entries: dict[str, TensorEntry],
             + ("; load another step" if corrupt else ""))
 
 
-def _file_reads(step_dir: Path, entry: TensorEntry, target: LocalShard) -> list[_FileRead]:
+def _file_reads(step_dir: Path, entry: TensorEntry, target: LocalShard,
+                missing_is_damage: bool) -> list[_FileRead]:
     box = target.box
     per_dim = []  # per dimension: {file coordinate: [_Axis, ...]}
     for lo, n, c, s in zip(box.offset, box.shape, entry.chunks, entry.shard):
@@ -132,7 +138,7 @@ def _file_reads(step_dir: Path, entry: TensorEntry, target: LocalShard) -> list[
                 start == g * c and stop == g * c + c))
         per_dim.append(sorted(files.items()))
     return [_FileRead(entry, target, file_path(step_dir, target.key, [f for f, _ in combo]),
-                      [axes for _, axes in combo])
+                      [axes for _, axes in combo], missing_is_damage)
             for combo in itertools.product(*per_dim)]
 
 
@@ -140,13 +146,18 @@ def _run_safely(read: _FileRead) -> int | str:
     """Bytes read, or the error message (collected, so every failure is reported)."""
     try:
         return _read_file(read)
-    except (OSError, _Corrupt) as exc:
+    except (OSError, _Corrupt, _Missing) as exc:
         return str(exc)
 
 
 class _Corrupt(Exception):
     def __init__(self, path: Path, what: str) -> None:
         super().__init__(f"{what} in file {path}: the file is corrupted")
+
+
+class _Missing(Exception):
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"file {path} is missing: the step is damaged (corrupted)")
 
 
 def _read_file(read: _FileRead) -> int:
@@ -158,7 +169,9 @@ def _read_file(read: _FileRead) -> int:
     chunks = list(itertools.product(*read.axes))
     try:
         fd = os.open(read.path, os.O_RDONLY)
-    except FileNotFoundError:  # no chunk of this file was written: all fill value
+    except FileNotFoundError:  # no chunk of this file was written
+        if read.missing_is_damage:
+            raise _Missing(read.path) from None
         for chunk in chunks:
             dest[tuple(a.dest for a in chunk)] = 0
         return 0
@@ -173,6 +186,8 @@ def _read_file(read: _FileRead) -> int:
         for chunk in chunks:
             offset, nbytes = entries[sum(a.local * st for a, st in zip(chunk, strides))]
             if offset == ABSENT and nbytes == ABSENT:
+                if read.missing_is_damage:
+                    raise _Corrupt(read.path, f"chunk {_where(chunk)} absent from the index")
                 dest[tuple(a.dest for a in chunk)] = 0
                 continue
             if nbytes != chunk_nbytes + crc_bytes or offset + nbytes > data_end:

@@ -22,7 +22,11 @@ from elastor_mcore.checkpoint.storage import (
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 stores every inner chunk inside an array, chunks of zeros too, so a
+missing file or chunk is damage and the reader says so. Version 1 (TensorStore left
+chunks equal to the fill value unwritten) reads a missing one as zeros."""
+EVERY_CHUNK_STORED = 2
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _RESERVED_KEYS = {MANIFEST, "zarr.json", LATEST}
@@ -103,6 +107,11 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     writers: int = 1
     format_version: int = FORMAT_VERSION
+
+    @property
+    def every_chunk_stored(self) -> bool:
+        """Whether a chunk missing from this step is damage rather than zeros."""
+        return self.format_version >= EVERY_CHUNK_STORED
 
     @staticmethod
     def build(step: int, tensors: dict[str, TensorEntry], writers: int,
@@ -333,15 +342,20 @@ def choose_entry(shape: Sequence[int], dtype: str, cuts: Sequence[Sequence[int]]
     return TensorEntry(tuple(shape), dtype, tuple(chunks), tuple(shard))
 
 
-def array_spec(step_dir: str | os.PathLike, key: str, entry: TensorEntry) -> dict[str, Any]:
+def array_spec(step_dir: str | os.PathLike, key: str, entry: TensorEntry, *,
+               fill_missing: bool = True) -> dict[str, Any]:
     """TensorStore ``zarr3`` spec of one tensor: files of inner chunks
-    (``sharding_indexed``), crc32c on every chunk and on each file's index."""
+    (``sharding_indexed``), crc32c on every chunk and on each file's index. Writes
+    store chunks of zeros too (format version 2); reads without ``fill_missing``
+    fail on a missing chunk instead of returning zeros."""
     checksum = [{"name": "crc32c"}] if entry.checksum == "crc32c" else []
     little = {"name": "bytes", "configuration": {"endian": "little"}}
     where = as_path(step_dir) / key
     return {
         "driver": "zarr3",
         "kvstore": storage_for(where).kvstore(where),
+        "store_data_equal_to_fill_value": True,
+        "fill_missing_data_reads": fill_missing,
         "metadata": {
             "shape": list(entry.shape),
             "data_type": entry.dtype,

@@ -2,8 +2,8 @@
 for a save that falls due while another is still being written and for a save that
 fails.
 
-An asynchronous ``save`` blocks only for one small collective (plus one gather of
-shard boxes the first time) and a copy of the rank's units into reused host buffers
+An asynchronous ``save`` blocks only for one integer all-reduce (plus the plan's
+exchange the first time, ``writer.plan_save``) and a copy of the rank's units into reused host buffers
 (``staging``); the writes and the commit run in the background (``background``). At most one save is in flight. It is finished (its
 error, if any, raised or logged on every rank, by ``SavePolicy.on_error``) by the
 next ``save``, by ``wait`` or by ``close``, which every rank of the group calls
@@ -25,13 +25,12 @@ from elastor_mcore.checkpoint.background import BackgroundSave, WriteJob, discar
 from elastor_mcore.checkpoint.format import (
     CheckpointError, ChunkPolicy, latest_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
-from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, build_plan
+from elastor_mcore.checkpoint.plan import LocalShard, WritePlan
 from elastor_mcore.checkpoint.staging import HostStaging
 from elastor_mcore.checkpoint.storage import as_path, retrying, storage_for
 from elastor_mcore.checkpoint.writer import (
-    check_step, open_tmp, point_latest, unit_sources, validate, wait_for_pruning)
+    check_step, open_tmp, plan_save, point_latest, unit_sources, validate, wait_for_pruning)
 from elastor_mcore.config.run import SaveOptions
-from elastor_mcore.geometry import ShardInfo
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +65,6 @@ class SavePolicy(SaveOptions):
 
 
 @dataclass(frozen=True)
-class _Exchange:
-    """What each rank contributes to the one collective of an asynchronous save."""
-
-    previous_error: str | None
-    """How this rank's part of the previous save failed, if it did."""
-    error: str | None
-    """Why this rank's shards or manifest cannot be saved, if so."""
-    storage_error: str | None
-    """How clearing the step failed (the coordinator, where the backend writes in
-    place): the save fails under ``on_error``, as a failed write does."""
-    digest: str
-    """Of this rank's shard geometry: the cached plan holds while no digest changes."""
-    token: str | None
-    """The coordinator's name for this save's temporary directory."""
-
-
-@dataclass(frozen=True)
 class SaveReport:
     """What one ``save`` call did, for the step log."""
 
@@ -106,7 +88,8 @@ class CheckpointManager:
         self.failures: list[CheckpointError] = []
         """Failed saves (with ``on_error='continue'``), oldest first."""
         self._staging = HostStaging()
-        self._plan_cache: tuple[list[str], WritePlan] | None = None
+        self._comm: comm.Comm | None = None
+        self._plan_cache: tuple[str, WritePlan] | None = None
         self._job: BackgroundSave | None = None
 
     @property
@@ -131,7 +114,7 @@ class CheckpointManager:
                 self._failed(exc, step)
             return SaveReport(step, time.perf_counter() - start)
         if (self._job is not None and self.policy.when_busy == "skip"
-                and any(comm.all_gather(self.in_flight, self.group))):
+                and self._ranks().sum([self.in_flight])[0]):
             log.warning("skipping the save of step %d: the save of step %d is still being "
                         "written (when_busy='skip')", step, self._job.job.step)
             return SaveReport(step, time.perf_counter() - start, skipped=True)
@@ -144,24 +127,31 @@ class CheckpointManager:
         if self._job is not None:
             job, self._job = self._job, None
             error = job.join()
-            self._settle(job, comm.all_gather(comm.describe(error), self.group))
+            self._settle(job, [m for m, in self._ranks().failures(error)])
 
     def close(self) -> None:
         """Finish the save in flight and the deletion of pruned steps."""
         self.wait()
         wait_for_pruning()
 
+    def _ranks(self) -> comm.Comm:
+        if self._comm is None:
+            self._comm = comm.Comm(self.group)
+        return self._comm
+
     def _start(self, step: int, shards: Sequence[LocalShard],
                manifest_extra: dict[str, Any] | None) -> BackgroundSave | None:
-        """The blocking part: finish the previous save, agree (one collective), plan
-        (cached), stage, and hand the rest to a background thread (None: the save
-        failed at once, under ``on_error``)."""
+        """The blocking part: finish the previous save, agree (one integer all-reduce;
+        the errors' messages only if some rank failed), plan (only when some rank's
+        shards changed geometry), stage, and hand the rest to a background thread
+        (None: the save failed at once, under ``on_error``)."""
         previous, self._job = self._job, None
         if previous is not None and previous.running():
             log.info("the save of step %d waits for the save of step %d to finish "
                      "(when_busy='wait')", step, previous.job.step)
         previous_error = previous.join() if previous is not None else None
-        coordinator = comm.is_coordinator(self.group)
+        ranks = self._ranks()
+        coordinator = ranks.is_coordinator
         path = self.root / step_dir_name(step)
         storage = storage_for(path)
         error = storage_error = None
@@ -175,38 +165,32 @@ class CheckpointManager:
             except Exception as exc:  # any storage error: the save fails, under on_error
                 storage_error = exc
         infos = [s.info() for s in shards]
-        gathered: list[_Exchange] = comm.all_gather(_Exchange(
-            previous_error=comm.describe(previous_error), error=comm.describe(error),
-            storage_error=comm.describe(storage_error),
-            digest=hashlib.sha1(repr(infos).encode()).hexdigest(),
-            token=secrets.token_hex(4) if coordinator else None), self.group)
+        digest = hashlib.sha1(repr(infos).encode()).hexdigest()
+        changed = self._plan_cache is None or self._plan_cache[0] != digest
+        token = secrets.randbits(31) + 1 if coordinator else 0
+        errors = (previous_error, error, storage_error)
+        *failed, changed, token = ranks.sum([e is not None for e in errors] + [changed, token])
+        failures = ranks.messages(*errors) if any(failed) else []
         if previous is not None:
-            self._settle(previous, [g.previous_error for g in gathered])
+            self._settle(previous, [f[0] for f in failures])
         what = f"checkpoint save of step {step} to {path}"
-        comm.check([g.error for g in gathered], what, error)
+        comm.check([f[1] for f in failures], what, error)
         try:
-            comm.check([g.storage_error for g in gathered], what, storage_error)
+            comm.check([f[2] for f in failures], what, storage_error)
         except CheckpointError as exc:
             self._failed(exc, step)
             return None
-        plan = self._plan(infos, [g.digest for g in gathered])
-        rank = comm.global_rank()
-        staged = self._staging.stage(unit_sources(plan.units_of(rank), shards))
+        if changed:  # a run's fixed layout plans once
+            self._plan_cache = (digest, plan_save(ranks, infos, self.chunking, what))
+        plan = self._plan_cache[1]
+        staged = self._staging.stage(unit_sources(plan.units, shards))
         keep, root = self.policy.keep, self.root
         return BackgroundSave(WriteJob(
-            step=step, tmp=storage.staging_dir(path, gathered[0].token),
-            path=path, plan=plan, sources=staged, rank=rank, coordinator=coordinator,
+            step=step, tmp=storage.staging_dir(path, f"{token:08x}"),
+            path=path, plan=plan, sources=staged, rank=ranks.rank, ranks=tuple(ranks.ranks),
+            coordinator=coordinator,
             manifest_extra=manifest_extra, on_commit=lambda: point_latest(root, step, keep),
             commit_timeout_s=self.policy.commit_timeout_s))
-
-    def _plan(self, infos: list[ShardInfo], digests: list[str]) -> WritePlan:
-        """The write plan; rebuilt (one gather of shard boxes) only when some rank's
-        shards changed geometry, which a run's fixed layout never does."""
-        if self._plan_cache is not None and self._plan_cache[0] == digests:
-            return self._plan_cache[1]
-        plan = build_plan(comm.gather_infos(infos, self.group), self.chunking)
-        self._plan_cache = (digests, plan)
-        return plan
 
     def _settle(self, job: BackgroundSave, messages: list[str | None]) -> None:
         """Apply ``on_error`` if any rank's part of ``job`` failed."""

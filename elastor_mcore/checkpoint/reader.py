@@ -10,6 +10,7 @@ TensorStore, whose range GETs fetch the same inner chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -25,7 +26,7 @@ from elastor_mcore.checkpoint import comm, fast_read
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
-from elastor_mcore.checkpoint.plan import LocalShard, WriteUnit, assign_writers
+from elastor_mcore.checkpoint.plan import LocalShard, WriteUnit, assign_writers, route
 from elastor_mcore.checkpoint.storage import Location, as_path, retrying, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import Box, ShardInfo, common_refinement, local_view
@@ -84,44 +85,116 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
 
 
 def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group) -> Manifest:
+    """Two job-wide steps: **plan** (the step directory, and every rank's targets to the
+    owners of their tensors, who send each holder its reads; ``plan_load``), then the
+    reads, then **agree** on every rank's errors; then the shared reads' messages."""
+    ranks = comm.Comm(group)
+    what = f"checkpoint load from {path_or_root}"
     error, step_dir = None, None
-    if comm.is_coordinator(group):
-        try:
+    try:
+        if ranks.is_coordinator:
             step_dir = str(resolve_step_dir(path_or_root))
-        except CheckpointError as exc:
-            error = exc
-    picked = comm.all_gather((comm.describe(error), step_dir), group)
-    comm.check([m for m, _ in picked], f"checkpoint load from {path_or_root}", error)
-    step_dir = as_path(picked[0][1])
+        for target in targets:
+            target.validate()
+    except CheckpointError as exc:
+        error = exc
+    # Without local files there is no page cache to share: every rank is its own.
+    cache = (page_cache_id() if storage_for(as_path(path_or_root)).local_files
+             else f"rank {ranks.rank}")
+    step_dir, shared = plan_load(ranks, targets, cache, step_dir, what, error,
+                                 shares=_carries_cpu(group))
+    step_dir = as_path(step_dir)
 
     error, manifest = None, None
     try:
         manifest = read_manifest(step_dir)
         check_targets(step_dir, manifest, targets)
-    except CheckpointError as exc:
-        error = exc
-    # One collective agrees on the targets' validity and shares every rank's boxes and
-    # page cache (without local files there is none to share: every rank is its own).
-    cache = (page_cache_id() if storage_for(step_dir).local_files
-             else f"rank {comm.global_rank()}")
-    gathered = comm.all_gather((comm.describe(error), [t.info() for t in targets], cache),
-                               group)
-    comm.check([m for m, _, _ in gathered], f"checkpoint load from {step_dir}", error)
-
-    ranks = _group_ranks(group)
-    infos = {r: boxes for r, (_, boxes, _) in zip(ranks, gathered)}
-    caches = {r: cache for r, (_, _, cache) in zip(ranks, gathered)}
-    shared = SharedReads.plan(targets, infos, caches, group)
-    try:
         read_boxes(step_dir, manifest, shared.reads, checked=True)
     except CheckpointError as exc:
         error = exc
-    comm.agree(error, f"checkpoint load from {step_dir}", group)
+    ranks.agree(error, f"checkpoint load from {step_dir}")
     shared.exchange()
     log.info("loaded %d shards from %s: read %d bytes, received %d, sent %d",
              len(targets), step_dir, shared.read_bytes, shared.received_bytes,
              shared.sent_bytes)
     return manifest
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What a rank sends the owner of some of its tensors: its targets' boxes of them
+    and its page cache. The coordinator sends every rank the step directory all ranks
+    load: in its request where it has one for that rank, else alone (a string)."""
+
+    infos: tuple[ShardInfo, ...]
+    cache: str
+    step_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class ReadPiece:
+    """One cell of the common refinement of a tensor's targets, as one holder gets it
+    from the tensor's owner: who reads it from storage, and (to that reader) the
+    holders on other hosts it sends the cell to."""
+
+    key: str
+    box: Box
+    reader: int
+    send_to: tuple[int, ...] = ()
+
+
+def plan_reads(requests: dict[int, LoadRequest]) -> dict[int, list[ReadPiece]]:
+    """An owner's plan of its tensors: their targets (``requests``, by rank) cut into
+    the cells of their common refinement, each read from storage by one holder (largest
+    first, to the holder that reads the fewest bytes so far, as writers are chosen),
+    and each holder's pieces. Holders sharing the reader's page cache read the cell
+    themselves (the kernel serves them from the reader's pages); the others receive it."""
+    infos = {r: list(q.infos) for r, q in requests.items() if q.infos}
+    caches = {r: q.cache for r, q in requests.items()}
+    dtypes = {i.key: i.dtype for rank_infos in infos.values() for i in rank_infos}
+    units = [WriteUnit(c.key, c.box, c.holders, c.box.numel * DTYPE_ITEMSIZE[dtypes[c.key]])
+             for c in common_refinement(infos)]
+    pieces: dict[int, list[ReadPiece]] = {}
+    for unit in assign_writers(units):
+        away = tuple(p for p in unit.holders if caches[p] != caches[unit.writer])
+        for holder in unit.holders:
+            reader = holder if caches[holder] == caches[unit.writer] else unit.writer
+            pieces.setdefault(holder, []).append(ReadPiece(
+                unit.key, unit.box, reader, away if holder == unit.writer else ()))
+    return pieces
+
+
+def plan_load(ranks: comm.Comm, targets: Sequence[LocalShard], cache: str,
+              step_dir: str | None, what: str, error: BaseException | None = None,
+              shares: bool = True) -> tuple[str, "SharedReads"]:
+    """The plan step of a load: the coordinator's ``step_dir`` to every rank, and, where
+    the group carries the bytes (``shares``), every rank's targets to the owners of
+    their tensors and each holder's pieces back (two sparse exchanges). Without
+    ``shares`` each rank plans its own targets alone."""
+    infos = [t.info() for t in targets]
+    outgoing: dict[int, LoadRequest | str] = {}
+    if shares:
+        outgoing = {owner: LoadRequest(tuple(mine), cache)
+                    for owner, mine in route(infos, ranks.ranks).items()}
+    if ranks.is_coordinator:  # the bare path where there is nothing else to send
+        outgoing = {rank: dataclasses.replace(outgoing[rank], step_dir=step_dir)
+                    if rank in outgoing else step_dir for rank in ranks.ranks}
+    received = ranks.exchange(outgoing, what, error)
+    picked = received[ranks.coordinator]
+    step_dir = picked if isinstance(picked, str) else picked.step_dir
+    received = {r: q for r, q in received.items() if isinstance(q, LoadRequest)}
+    if not shares:
+        return step_dir, SharedReads.build(
+            ranks.rank, targets, plan_reads({ranks.rank: LoadRequest(tuple(infos), cache)})
+            .get(ranks.rank, []), ranks.group)
+    owned, error = {}, None
+    try:
+        owned = plan_reads(received)
+    except ValueError as exc:  # targets that disagree on a tensor's global shape
+        error = CheckpointError(f"targets disagree: {exc}")
+    pieces = ranks.exchange(owned, what, error)
+    return step_dir, SharedReads.build(
+        ranks.rank, targets, [p for part in pieces.values() for p in part], ranks.group)
 
 
 @dataclass
@@ -138,10 +211,10 @@ class _Piece:
 class SharedReads:
     """Who reads which bytes of a collective load, so storage serves each byte once.
 
-    The targets of all ranks are cut into the cells of their common refinement; a cell
-    held by several ranks is read from storage by one of them (largest first, to the
-    holder that reads the fewest bytes so far, as the writer's plan assigns writers).
-    Holders that share its reader's page cache (one kernel: the same host) read it
+    The targets of each tensor are cut into the cells of their common refinement (by
+    the tensor's owner, ``plan_reads``); a cell held by several ranks is read from
+    storage by one of them (largest first, to the holder that reads the fewest bytes so
+    far, as the writer's plan assigns writers). Holders that share its reader's page cache (one kernel: the same host) read it
     themselves: the kernel serves their reads from the pages the first read brought
     in, so storage still serves the bytes once, and a read from the page cache costs
     less than a message (measured: a same-layout load of two data-parallel replicas
@@ -161,36 +234,24 @@ class SharedReads:
         self.sent_bytes = sum(_nbytes(v) for views in sends.values() for v in views)
 
     @staticmethod
-    def plan(targets: Sequence[LocalShard], infos: dict[int, list[ShardInfo]],
-             caches: dict[int, str], group=None) -> "SharedReads":
-        """This rank's part of the plan, from every rank's targets (``infos``, by global
-        rank) and page cache (``caches``: ranks with equal values share one); only this
-        rank's own targets when ``group`` cannot carry the bytes."""
-        rank = comm.global_rank()
-        if not _carries_cpu(group):
-            infos = {rank: infos[rank]}
-        dtypes = {i.key: i.dtype for rank_infos in infos.values() for i in rank_infos}
-        units = [WriteUnit(c.key, c.box, c.holders, c.box.numel * DTYPE_ITEMSIZE[dtypes[c.key]])
-                 for c in common_refinement(infos)]
+    def build(rank: int, targets: Sequence[LocalShard], pieces: Sequence[ReadPiece],
+              group=None) -> "SharedReads":
+        """This rank's reads, receives and sends from its pieces (``plan_reads``), in
+        the one order every pair of ranks packs and unpacks them: by key, then
+        offset."""
         by_key: dict[str, list[LocalShard]] = {}
         for target in targets:
             by_key.setdefault(target.key, []).append(target)
-        pieces, sends = [], {}
-        for unit in assign_writers(units):
-            if rank not in unit.holders:
-                continue
-            held = by_key[unit.key]
-            views = [local_view(t.data.detach(), t.box, unit.box) for t in held
-                     if t.box.contains(unit.box)]
-            reader = rank if caches[rank] == caches[unit.writer] else unit.writer
-            pieces.append(_Piece(LocalShard(unit.key, held[0].global_shape, unit.box.offset,
-                                            views[0]),
-                                 views[1:], reader))
-            if unit.writer == rank:
-                for peer in unit.holders:
-                    if caches[peer] != caches[rank]:
-                        sends.setdefault(peer, []).append(views[0])
-        return SharedReads(rank, pieces, sends, group)
+        out, sends = [], {}
+        for piece in sorted(pieces, key=lambda p: (p.key, p.box.offset)):
+            held = by_key[piece.key]
+            views = [local_view(t.data.detach(), t.box, piece.box) for t in held
+                     if t.box.contains(piece.box)]
+            out.append(_Piece(LocalShard(piece.key, held[0].global_shape, piece.box.offset,
+                                         views[0]), views[1:], piece.reader))
+            for peer in piece.send_to:
+                sends.setdefault(peer, []).append(views[0])
+        return SharedReads(rank, out, sends, group)
 
     def exchange(self) -> None:
         """Send what this rank read to the other holders, receive the rest, then fill
@@ -234,16 +295,6 @@ def _copy(dest: torch.Tensor, source: torch.Tensor) -> None:
     """``dest[...] = source`` on one thread (numpy): many small copies through torch's
     intra-op threads spin on a loaded host."""
     np.copyto(numpy_view(dest), numpy_view(source))
-
-
-def _group_ranks(group) -> list[int]:
-    """Global ranks of ``group`` in group-rank order (``[0]`` without a process group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [0]
-    return dist.get_process_group_ranks(group) if group is not None else \
-        list(range(dist.get_world_size()))
 
 
 def _carries_cpu(group) -> bool:
@@ -305,11 +356,13 @@ def _read_boxes(step_dir: Location, manifest: Manifest, targets: Sequence[LocalS
                    and fast_read.handles(manifest.tensors[target.key], target))
         (direct if handled else rest).append(target)
     if direct:
-        fast_read.read_targets(storage.local_path(step_dir), manifest.tensors, direct)
+        fast_read.read_targets(storage.local_path(step_dir), manifest.tensors, direct,
+                               missing_is_damage=manifest.every_chunk_stored)
     if not rest:
         return
     keys = {t.key for t in rest}
-    arrays = open_arrays(step_dir, {k: manifest.tensors[k] for k in keys}, create=False)
+    arrays = open_arrays(step_dir, {k: manifest.tensors[k] for k in keys}, create=False,
+                         fill_missing=not manifest.every_chunk_stored)
     futures = []
     with ts.Batch() as batch:
         for target in rest:

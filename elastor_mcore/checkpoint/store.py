@@ -45,15 +45,16 @@ def numpy_view(tensor: torch.Tensor) -> np.ndarray:
 
 
 def open_arrays(step_dir: Location, entries: dict[str, TensorEntry], *,
-                create: bool) -> dict[str, ts.TensorStore]:
+                create: bool, fill_missing: bool = True) -> dict[str, ts.TensorStore]:
     """Open (or, with ``create``, create the metadata of) many arrays concurrently.
 
     Without ``create`` the manifest's entries are trusted (``assume_metadata``): no
-    ``zarr.json`` reads, so a load touches only chunk data and file indices.
+    ``zarr.json`` reads, so a load touches only chunk data and file indices. Without
+    ``fill_missing`` a read of a missing chunk fails (``format.array_spec``).
     """
     ctx = shared_context()
     futures = {
-        key: ts.open(array_spec(step_dir, key, entry), context=ctx,
+        key: ts.open(array_spec(step_dir, key, entry, fill_missing=fill_missing), context=ctx,
                      **({"create": True} if create else
                         {"open": True, "assume_metadata": True}))
         for key, entry in entries.items()
@@ -70,8 +71,12 @@ def wait_all(futures: Iterable[tuple[str, ts.Future]], action: str) -> list:
         except Exception as exc:  # TensorStore raises ValueError/OSError subtypes
             failures.append(f"tensor {key}: {exc}")
     if failures:
-        corrupt = any(m in f.lower() for f in failures for m in ("digest mismatch", "data_loss"))
-        hint = " (checksum mismatch: the file is corrupted; load another step)" if corrupt else ""
+        lowered = [f.lower() for f in failures]
+        corrupt = any(m in f for f in lowered for m in ("digest mismatch", "data_loss"))
+        missing = any("not_found" in f and "is missing" in f for f in lowered)
+        hint = (" (checksum mismatch: the file is corrupted; load another step)" if corrupt
+                else " (a chunk of a committed step is missing: the checkpoint is damaged; "
+                     "load another step)" if missing else "")
         raise CheckpointError(f"{action} failed for " + failed_for(failures) + hint)
     return results
 

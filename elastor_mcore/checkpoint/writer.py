@@ -1,11 +1,14 @@
 """Save: every rank writes its share of the files, then rank 0 commits.
 
-Order of a synchronous save (each arrow is one ``agree``, so a failure anywhere stops
-every rank): validate -> gather shard boxes, plan -> rank 0 creates ``.tmp_<name>/``
--> every rank writes its units and its share of the array metadata (each file
-fsynced) -> rank 0 writes ``manifest.json`` last, renames the directory into place,
-moves ``latest`` and prunes old steps (renamed away at once, deleted on a background
-thread) -> return. A crash at any point leaves the previous steps loadable.
+Order of a synchronous save, in two job-wide steps as DCP's (each carries every rank's
+error, so a failure anywhere stops every rank): every rank validates and rank 0
+creates ``.tmp_<name>/`` -> **plan** (``plan_save``: shard boxes to the owners of their
+tensors, each rank's part of the plan back) -> every rank writes its units and its
+share of the array metadata (each file fsynced) -> **finish**: every rank's write
+errors agreed; rank 0 writes ``manifest.json`` last, renames the directory into
+place, moves ``latest`` and prunes old steps (renamed away at once, deleted on a
+background thread), and tells every rank how the commit went -> return. A crash at
+any point leaves the previous steps loadable.
 
 How the directory becomes visible is the storage backend's commit protocol
 (``checkpoint.storage``): the steps above are the file system's; on object storage
@@ -33,10 +36,12 @@ from elastor_mcore.checkpoint.format import (
     FORMAT_VERSION, LATEST, CheckpointError, ChunkPolicy, Manifest, TensorEntry,
     committed_steps, parse_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
-from elastor_mcore.checkpoint.plan import LocalShard, WritePlan, WriteUnit, build_plan
+from elastor_mcore.checkpoint.plan import (
+    LocalShard, WritePlan, WriteUnit, assignments, file_units, held_bytes, merge, plan_tensors,
+    route)
 from elastor_mcore.checkpoint.storage import MANIFEST, TMP_PREFIX, Location, as_path, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
-from elastor_mcore.geometry import local_view
+from elastor_mcore.geometry import ShardInfo, local_view
 
 log = logging.getLogger(__name__)
 
@@ -86,43 +91,72 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
                       on_commit: Callable[[], None] | None) -> SaveResult:
     path = as_path(path)
     tmp = storage_for(path).staging_dir(path, "")
-    coordinator = comm.is_coordinator(group)
+    ranks = comm.Comm(group)
+    coordinator = ranks.is_coordinator
     what = f"checkpoint save of step {step} to {path}"
 
     error = None
     try:
         validate(shards, step, manifest_extra, coordinator)
-    except CheckpointError as exc:
-        error = exc
-    comm.agree(error, what, group)
-
-    plan = build_plan(comm.gather_infos([s.info() for s in shards], group),
-                      chunking or ChunkPolicy())
-
-    error = None
-    if coordinator:
-        try:
+        if coordinator:
             open_tmp(tmp, clean_root)
-        except Exception as exc:
-            error = exc
-    comm.agree(error, what, group)
+    except Exception as exc:  # a bad shard, or any storage error creating tmp
+        error = exc
+    try:
+        plan = plan_save(ranks, [s.info() for s in shards], chunking or ChunkPolicy(), what,
+                         error)
+    except CheckpointError:
+        if coordinator and error is None:
+            discard_quietly(tmp)
+        raise
 
     error = None
     try:
-        write_share(tmp, plan, unit_sources(plan.units_of(comm.global_rank()), shards),
-                    coordinator)
+        write_share(tmp, plan, unit_sources(plan.units, shards), coordinator)
     except Exception as exc:
         error = exc
-    comm.agree(error, what, group)
+    failed, writers = ranks.sum([error is not None, bool(plan.units)])
+    if failed:
+        comm.check([m for m, in ranks.messages(error)], what, error)
 
     error = None
     if coordinator:
         try:
-            commit(tmp, path, step, plan, manifest_extra, on_commit)
+            commit(tmp, path, step, plan, manifest_extra, on_commit, writers)
         except Exception as exc:
             error = exc
-    comm.agree(error, what, group)
+    comm.check([ranks.broadcast(comm.describe(error))], what, error)
     return SaveResult(path, step, plan)
+
+
+def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy, what: str,
+              error: BaseException | None = None) -> WritePlan:
+    """The plan step of a save (DCP's: gather local plans, scatter the global one):
+    each rank sends its shard descriptions to the owners of its tensors, each owner
+    plans its tensors (``plan.plan_tensors``) and sends every holder its cells, and
+    the holders cut them into files and choose their writers (``plan.merge``). Two sparse exchanges;
+    ``error`` (this rank's, before planning) fails the save on every rank."""
+    total = held_bytes(infos)
+    received = ranks.exchange({owner: (total, mine) for owner, mine in
+                               route(infos, ranks.ranks).items()}, what, error)
+    entries, cells, error = {}, [], None
+    try:
+        entries, cells = plan_tensors({r: m for r, (_, m) in received.items()}, policy)
+    except CheckpointError as exc:
+        error = exc
+    parts = ranks.exchange(assignments(entries, cells, ranks.coordinator,
+                                       {r: t for r, (t, _) in received.items()}), what, error)
+    return merge(ranks.rank, parts.values(), file_units(entries, cells))
+
+
+def discard_quietly(tmp: Location) -> None:
+    """Remove a save's temporary directory after a failure, logging (not raising) a
+    failure to do so: the next save's ``remove_stale`` clears it."""
+    try:
+        if tmp.exists():
+            storage_for(tmp).remove(tmp)
+    except Exception as exc:  # any storage error: housekeeping
+        log.warning("could not remove %s of a failed save (%s)", tmp, exc)
 
 
 def check_step(step: int, keep: int) -> None:
@@ -159,38 +193,24 @@ def write_share(tmp: Location, plan: WritePlan, sources: Sources,
     """One rank's part of the data, and the metadata of its share of the arrays (the
     coordinator also the group's): spread over the ranks, as creating 100 arrays'
     metadata took the one rank that did it all 0.05-0.2 s on the save's critical
-    path. Nobody waits for the metadata: the data writers create the directories."""
+    path. Nobody waits for the metadata: the data writers create the directories.
+    A rank creates the arrays whose first file it writes (``plan.metadata_creators``)."""
     if coordinator:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "zarr.json").write_text(json.dumps(
             {"zarr_format": 3, "node_type": "group",
              "attributes": {"elastor_format_version": FORMAT_VERSION}}))
-    creators = metadata_creators(plan)
-    rank = comm.global_rank()
-    mine = {key: entry for key, entry in plan.entries.items()
-            if creators.get(key, rank if coordinator else None) == rank}
+    mine = {key: plan.entries[key] for key in plan.creates}
     if mine:
         open_arrays(tmp, mine, create=True)
     _write_units(tmp, plan.entries, sources)
 
 
-def metadata_creators(plan: WritePlan) -> dict[str, int]:
-    """Per array, the rank that creates its metadata: the arrays in key order take
-    their writers in turn, so ranks that write the same arrays (replicas) share the
-    work. Arrays nobody writes are absent (the coordinator creates them)."""
-    writers: dict[str, list[int]] = {}
-    for unit in plan.units:
-        if unit.writer not in writers.setdefault(unit.key, []):
-            writers[unit.key].append(unit.writer)
-    return {key: ranks[i % len(ranks)] for i, (key, ranks) in enumerate(sorted(writers.items()))}
-
-
 def commit(tmp: Location, path: Location, step: int, plan: WritePlan,
            manifest_extra: dict[str, Any] | None,
-           on_commit: Callable[[], None] | None) -> None:
-    """Coordinator, once every rank's data is durable: the backend's commit (manifest
-    last), then ``on_commit``."""
-    writers = len({u.writer for u in plan.units})
+           on_commit: Callable[[], None] | None, writers: int) -> None:
+    """Coordinator, once every rank's data is durable (``writers`` of them wrote
+    files): the backend's commit (manifest last), then ``on_commit``."""
     storage_for(path).commit_dir(
         tmp, path, Manifest.build(step, plan.entries, writers, manifest_extra).to_json())
     if on_commit is not None:
@@ -240,7 +260,7 @@ def begin_single(tmp: Location, entries: dict[str, TensorEntry]) -> None:
     """A one-process writer's first step (converters hold one tensor at a time): a
     fresh ``tmp`` holding every array's metadata, ready for ``write_whole``."""
     open_tmp(tmp, clean_root=False)
-    write_share(tmp, WritePlan(entries, []), [], coordinator=True)
+    write_share(tmp, WritePlan(entries, [], creates=tuple(entries)), [], coordinator=True)
 
 
 def write_whole(tmp: Location, key: str, entry: TensorEntry, tensor: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
 """``elastor demo``: the main job. Train tiny-llama on 8 CPU slots (2 nodes x 4) under
-the elastic supervisor, kill one slot and hang another, recover on 7 then 6 slots, and
+the elastic supervisor, kill one slot and hang another, recover on 7 then 6 slots (in
+place by default, ``--recovery relaunch`` for a relaunch from the last checkpoint), and
 compare every step's loss with an uninterrupted run (see ``docs/elastic.md``).
 
 The slots' memory (``DEFAULT_HARDWARE``) is too small for the model on TP-1 stages
@@ -30,7 +31,7 @@ from elastor_mcore.config.run import RunSettings
 from elastor_mcore.config.shipped import shipped_path
 from elastor_mcore.data.errors import DataError
 from elastor_mcore.elastic.job import Trainer
-from elastor_mcore.elastic.report import memory_of, read_metrics, write_report
+from elastor_mcore.elastic.report import Segment, memory_of, read_metrics, segments, write_report
 from elastor_mcore.elastic.supervisor import Supervisor, SupervisorConfig
 from elastor_mcore.elastic.timeline import recoveries
 from elastor_mcore.elastic.torchrun import run_torchrun
@@ -126,11 +127,13 @@ class Stopped(Exception):
 
 
 def run_reference(settings: RunSettings, out: Path) -> float:
-    """The uninterrupted run of ``settings`` on ``REFERENCE_LAYOUT``, without saves."""
+    """The uninterrupted run of ``settings`` on ``REFERENCE_LAYOUT``, without saves and
+    without the in-memory tier (as ``elastor train``: nothing recovers it)."""
     out.mkdir(parents=True)
     start = time.perf_counter()
     reference = replace(settings, layout=REFERENCE_LAYOUT,
-                        metrics_out=str(out / "metrics.jsonl"), failure_plan=None)
+                        metrics_out=str(out / "metrics.jsonl"), failure_plan=None,
+                        memory_interval=0)
     result = run_torchrun(2, Trainer.module, reference.to_argv("worker"), capture=True)
     (out / "torchrun.log").write_text(result.stdout + result.stderr)
     signum = stopped_by(result.returncode)
@@ -142,19 +145,19 @@ def run_reference(settings: RunSettings, out: Path) -> float:
     return time.perf_counter() - start
 
 
-def layout_diagrams(config: SupervisorConfig, hardware, launches) -> list[str]:
-    """``elastor plan``'s diagram of each launch's layout (the planner is deterministic,
-    so planning the launch's alive slots again with the supervisor's profile gives its
-    layout)."""
+def layout_diagrams(config: SupervisorConfig, hardware, layouts: list[Segment]) -> list[str]:
+    """``elastor plan``'s diagram of each layout (the planner is deterministic, so
+    planning its alive slots again with the supervisor's profile gives the layout, in
+    place or not)."""
     recipe, use_all = config.recipe, config.launch.use_all_slots
     full = plan(recipe, hardware, config.slots, use_all=use_all)
     tokens = recipe.training.global_batch_size * recipe.model.seq_length
     out = []
-    for launch in launches:
-        chosen = plan(recipe, hardware, launch.alive, use_all=use_all)
-        dead = [s for s in config.slots if s not in launch.alive]
+    for segment in layouts:
+        chosen = plan(recipe, hardware, segment.alive, use_all=use_all)
+        dead = [s for s in config.slots if s not in segment.alive]
         out.append(diagram(chosen, full.step_s, tokens,
-                           f"{recipe.name} on {len(launch.alive)} alive slots (dead: "
+                           f"{recipe.name} on {len(segment.alive)} alive slots (dead: "
                            f"{', '.join(map(str, dead)) or 'none'})"))
     return out
 
@@ -242,10 +245,11 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"{PREFIX}: [4/4] report ...", flush=True)
     items = recoveries(outcome.launches)
-    layouts = " -> ".join(str(len(l.slots)) for l in outcome.launches)
+    layouts = segments(outcome.launches)
     summary = (f"{'Finished' if outcome.finished else 'FAILED'}: {outcome.reason}. "
-               f"Slots per launch: {layouts}; elastic run {elastic_s:.0f}s, reference "
-               f"{took:.0f}s.")
+               f"Slots per layout: {' -> '.join(str(len(l.slots)) for l in layouts)} "
+               f"({len(outcome.launches)} launch{'es' if len(outcome.launches) > 1 else ''}); "
+               f"elastic run {elastic_s:.0f}s, reference {took:.0f}s.")
     capacity = slot_bytes(supervisor.hardware)
     settings = {"recipe": args.recipe,
                 "hardware": f"{args.hardware} ({capacity / 2**20:.2f} MiB per slot for "
@@ -256,6 +260,12 @@ def run(args: argparse.Namespace) -> int:
                 "steps": args.steps, "saves": f"asynchronous, every {args.save_interval} steps",
                 "failures": ", ".join(f"{f.kind} of slot {f.slot} at step {f.step}"
                                       for f in failures),
+                "recovery": (f"in place from the state in memory (every "
+                             f"{args.memory_interval} step(s), a replica on another node), "
+                             f"a relaunch if that fails" if args.recovery == "in-place" else
+                             "relaunch from the last checkpoint")
+                            + (", ranks forked from a pre-imported worker" if args.zygote
+                               else ", ranks started cold"),
                 "hang timeout": f"3 x the p99 of each rank's step times, at least "
                                 f"{args.heartbeat_timeout:g}s, once it has timed 3 steps of "
                                 f"its launch; {args.startup_timeout:g}s before, during saves "
@@ -266,14 +276,13 @@ def run(args: argparse.Namespace) -> int:
                              f"data-parallel ranks, no failure)"}
     worst = write_report(out, "elastor demo: recovery on the survivors",
                          "elastor demo " + " ".join(sys.argv[2:]), settings, outcome.launches,
-                         reference, layout_diagrams(config, supervisor.hardware,
-                                                    outcome.launches),
+                         reference, layout_diagrams(config, supervisor.hardware, layouts),
                          hardware.gpus_per_node, summary, slot_bytes=capacity)
     print_summary(outcome, PREFIX)
-    for launch in outcome.launches:
-        mixed = mixed_tp(launch.layout)
-        print(f"{PREFIX}:   launch {launch.index}: {len(launch.slots):2d} slots  "
-              f"{launch.describe}" + (f"  (per-stage TP: {'; '.join(mixed)})" if mixed else ""))
+    for segment in layouts:
+        mixed = mixed_tp(segment.layout)
+        print(f"{PREFIX}:   {segment.name}: {len(segment.slots):2d} slots  "
+              f"{segment.describe}" + (f"  (per-stage TP: {'; '.join(mixed)})" if mixed else ""))
     memory = memory_of(outcome.launches)
     fullest = max((m.measured for m in memory), default=None)
     fits = fullest is not None and fullest <= capacity

@@ -25,6 +25,7 @@ from elastor_mcore.data.errors import DataError
 from elastor_mcore.elastic import megatron, node_timeline
 from elastor_mcore.elastic.job import JobConfig, Trainer, Workload
 from elastor_mcore.elastic.node import NodeConfig, NodeLauncher
+from elastor_mcore.elastic.report import segments
 from elastor_mcore.elastic.supervisor import Outcome, Supervisor, SupervisorConfig
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from elastor_mcore.planner import HardwareError, load_hardware
@@ -159,7 +160,8 @@ class StepPrinter:
         self.first.add(launch.index)
         if first or m["step"] % self.every == 0 or m["step"] == self.steps:
             print(f"{self.prefix}:   step {m['step']:4d}/{self.steps}  loss {m['loss']:.6f}  "
-                  f"{m['time_s']:.2f}s/step  on {len(launch.slots)} slots", flush=True)
+                  f"{m['time_s']:.2f}s/step  on {len(launch.current_slots())} slots",
+                  flush=True)
 
 
 def print_summary(outcome: Outcome, prefix: str) -> None:
@@ -169,9 +171,9 @@ def print_summary(outcome: Outcome, prefix: str) -> None:
         print(table(items))
         for r in items:
             print(f"{prefix}:   {r.failure}: detected by {r.detected_by}")
-    layouts = " -> ".join(f"{len(l.slots)}" for l in outcome.launches)
+    layouts = " -> ".join(f"{len(l.slots)}" for l in segments(outcome.launches))
     print(f"{prefix}: {'finished' if outcome.finished else 'FAILED'}: {outcome.reason}; "
-          f"slots per launch: {layouts}", flush=True)
+          f"slots per layout: {layouts}", flush=True)
 
 
 def build_node_config(args: argparse.Namespace, nodes: NodeSettings,

@@ -25,7 +25,7 @@ def register(subparsers) -> None:
         "train", help="train a recipe on a layout (launches torchrun itself)",
         description="Train a recipe on a (possibly heterogeneous) layout. The world size "
                     "is the layout's; ranks the layout does not use stay idle.")
-    RunSettings.add_arguments(parser, "train")
+    RunSettings.add_arguments(parser, "train", {"memory_interval": {"default": 0}})
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to start (default: the layout's); extra ranks stay idle")
     add_data_args(parser, "train")

@@ -66,6 +66,11 @@ class LaunchSettings(Flags):
     probe_timeout: float = field(default=60.0, metadata=setting(
         "after a failure, a GPU whose probe (a small kernel) has not finished within S "
         "seconds counts dead (default %(default)g)", ("launch",), metavar="S"))
+    zygote: bool = field(default=True, metadata=setting(
+        "start every rank from a pre-imported worker that holds torch and Megatron-Core "
+        "(forked in a fraction of a second) rather than a new interpreter importing "
+        "them (default: on)", ("launch", "demo")))
+    """One host (``elastic.prestart``)."""
     use_all_slots: bool = False
     """Keep every alive slot busy (``planner.plan(use_all=True)``): for CPU slots that
     stand for GPUs (``elastor demo``), where the fastest layout on fewer cores than slots

@@ -103,6 +103,23 @@ class RunSettings(Flags):
         "beside the measured median (default on CPU: recipes/hardware/cpu-slots-measured"
         ".yaml)", ("train", "worker"), metavar="YAML"))
     """Under the supervisor, the profile it plans with."""
+    memory_interval: int = field(default=1, metadata=setting(
+        "every K steps, copy each rank's training state into host memory, with a replica "
+        "in a peer's host memory (on another node when there is one), in the background; "
+        "recovery in place restores from it (0: off; default %(default)s)", ALL,
+        metavar="K"))
+    """The in-memory tier (``runtime.memory_tier``); the zarr tier keeps
+    ``save_interval``."""
+    recovery: Literal["in-place", "relaunch"] = field(default="in-place", metadata=setting(
+        "after a failure the survivors re-plan and continue in the same processes from "
+        "the state in memory (in-place), falling back to a relaunch from the durable "
+        "checkpoint if that fails; or always relaunch (default: %(default)s)",
+        ("launch", "demo", "worker")))
+    """How the supervisor recovers (``elastic.inplace``; one host)."""
+    replan_all_slots: bool = field(default=False, metadata=setting(
+        "set by elastor launch: a recovery in place plans layouts that keep every "
+        "surviving slot busy", ("worker",), negatable=False))
+    """``LaunchSettings.use_all_slots``, for the ranks' own planning."""
     elastic_dir: str | None = field(default=None, metadata=setting(
         "set by elastor launch: heartbeats and events of this launch", ("worker",)))
     rank_slots: tuple[int, ...] | None = field(default=None, metadata=setting(

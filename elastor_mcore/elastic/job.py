@@ -5,8 +5,9 @@ supervised (``LaunchSettings``), the failure plan, and where the checkpoints go.
 
 Detection, planning, relaunch, the lease and the timeline are one code path for every
 workload; a workload says only what its ranks run for a launch (``launch_command``) or
-a rendezvous round (``round_command``), which checkpoints it can resume from, and which
-layouts it cannot run.
+a rendezvous round (``round_command``), which checkpoints it can resume from, which
+layouts it cannot run, whether its ranks start from the pre-imported worker
+(``prestarted``) and whether they recover in place (``in_place``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class Launch:
     """The committed step it resumes from; None: from the start."""
     hardware: str
     """The profile the supervisor plans with."""
+    use_all_slots: bool = False
+    """The supervisor keeps every alive slot busy (``LaunchSettings.use_all_slots``);
+    a recovery in place plans the same way."""
 
     @property
     def metrics_out(self) -> str:
@@ -69,10 +73,20 @@ class Workload(ABC):
     ``round_command`` at every rendezvous round, whose ranks agree on the round's
     layout themselves."""
 
+    prestarted = False
+    """Whether its ranks run under a keeper, forked from the pre-imported worker when
+    there is one (``elastic.prestart``)."""
+
     @property
     @abstractmethod
     def steps(self) -> int:
         """Steps (iterations) of the whole run."""
+
+    @property
+    def in_place(self) -> bool:
+        """Whether its ranks recover from a failure in place (``elastic.inplace``);
+        else every failure relaunches."""
+        return False
 
     @property
     @abstractmethod
@@ -139,6 +153,7 @@ class Trainer(Workload):
     beforehand (``data.source.prepare_data``)."""
     module = "elastor_mcore.elastic.rank.worker"
     node_module = "elastor_mcore.elastic.rank.node_worker"
+    prestarted = True
 
     @property
     def steps(self) -> int:
@@ -156,13 +171,18 @@ class Trainer(Workload):
     def recipe_file(self) -> str:
         return self.settings.recipe
 
+    @property
+    def in_place(self) -> bool:
+        return self.settings.recovery == "in-place"
+
     def launch_command(self, launch: Launch) -> RankCommand:
         load = None if launch.load_step is None else \
             str(as_path(launch.checkpoint_dir) / step_dir_name(launch.load_step))
         return RankCommand(self.module, replace(
             self.settings, layout=launch.layout, metrics_out=launch.metrics_out,
             save_dir=launch.checkpoint_dir, load_dir=load, elastic_dir=launch.directory,
-            rank_slots=launch.slots, hardware=launch.hardware).to_argv("worker"))
+            rank_slots=launch.slots, hardware=launch.hardware,
+            replan_all_slots=launch.use_all_slots).to_argv("worker"))
 
     def round_command(self, node: RoundSettings, checkpoint_dir: str, hardware: str,
                       node_dir: str) -> RankCommand:

@@ -19,8 +19,8 @@ lease and timeline as the project's trainer, with Megatron-LM's loop in the rank
   first launch loads the user's ``--load`` (e.g. a converted checkpoint).
 * **Layouts** must suit Megatron-LM's loop: heterogeneous ones pass
   ``training.unsupported_reason`` with the job's arguments (``refusal``), and the
-  highest torchrun rank holds a last stage (Megatron-LM logs the loss there,
-  ``rank_order``).
+  torchrun ranks increase along every pipeline, so the highest holds a last stage
+  (Megatron-LM logs the loss there; ``rank_order``).
 """
 
 from __future__ import annotations
@@ -120,10 +120,13 @@ class MegatronLM(Workload):
         return unsupported_reason(layout, self.job.namespace())
 
     def rank_order(self, layout: Layout) -> tuple[int, ...]:
-        """Ascending, except that the highest slot of a last stage goes last: Megatron-LM
-        logs the loss from its highest rank."""
-        last = max(s for pipe in layout.pipelines for s in pipe.stages[-1].ranks)
-        return tuple(s for s in sorted(layout.ranks) if s != last) + (last,)
+        """Pipeline by pipeline, stage by stage, so torchrun ranks increase along every
+        pipeline: Megatron-Core takes a rank's stage from its place in its pipeline
+        group, which torch orders by rank (a last stage holding rank 0 built the output
+        layer on a middle stage). The last rank then holds a last stage, where
+        Megatron-LM logs the loss."""
+        return tuple(s for pipe in layout.pipelines for stage in pipe.stages
+                     for s in stage.ranks)
 
 
 def prepare(script: str, argv: Sequence[str], run_dir: Path, failure_plan: str | None,

@@ -22,6 +22,7 @@ started again is a repaired node: the failures injected before do not count)::
     rounds/<R>/       layout.yaml, events.jsonl, heartbeat/, metrics.jsonl (reporter)
     outcome.json      written by the workers at the end
     timeline.json     the rounds and the recoveries between them
+    zygote.log        the node's pre-imported worker's output (``elastic.prestart``)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from typing import Callable, Sequence
 
 from elastor_mcore.checkpoint.lease import CheckpointLease
 from elastor_mcore.config.launch import NodeSettings, RoundSettings
-from elastor_mcore.elastic import node_timeline
+from elastor_mcore.elastic import node_timeline, prestart
 from elastor_mcore.elastic.job import JobConfig
 from elastor_mcore.elastic.protocol import (HEARTBEAT_DIR, LAUNCHER_EVENTS, OUTCOME_FILE,
                                             ROUNDS_DIR, append_event, read_beats)
@@ -121,6 +122,8 @@ class NodeLauncher:
         self.on_message = on_message
         self.node_dir = next_node_dir(config.run_dir, config.node)
         self.events = self.node_dir / LAUNCHER_EVENTS
+        self.prestart_env: dict[str, str] = {}
+        """Points the keepers to this node's pre-imported worker (``elastic.prestart``)."""
         self.killed: set[int] = set()
         """Workers killed as hung (dying takes a moment: kill each once)."""
 
@@ -135,6 +138,8 @@ class NodeLauncher:
             health_file=cfg.nodes.health_file, use_all_slots=cfg.launch.use_all_slots)
         rank = cfg.workload.round_command(node, str(cfg.checkpoint_dir), str(cfg.hardware_path),
                                           str(self.node_dir))
+        if cfg.workload.prestarted:  # under a keeper, from the pre-imported worker
+            rank = prestart.keeper_command(rank, in_place=False)
         return elastic_agent_command(cfg.slots, cfg.nodes, cfg.launch.max_restarts,
                                      rank.module, rank.args)
 
@@ -145,7 +150,9 @@ class NodeLauncher:
         self.on_message(f"node {cfg.node}: {cfg.slots} slots, rendezvous "
                         f"{cfg.nodes.rdzv_endpoint} id {cfg.nodes.rdzv_id} (nodes "
                         f"{cfg.nodes.nnodes}); files in {self.node_dir}")
-        with CheckpointLease(cfg.checkpoint_dir, f"rdzv:{cfg.nodes.rdzv_id}") as lease:
+        with CheckpointLease(cfg.checkpoint_dir, f"rdzv:{cfg.nodes.rdzv_id}") as lease, \
+                prestart.prestarted(cfg.launch.zygote and cfg.workload.prestarted,
+                                    self.node_dir / "zygote.log") as self.prestart_env:
             outcome = self._run_agent(lease)
         outcome.timeline = node_timeline.build(self.node_dir)
         node_timeline.write_json(self.node_dir / "timeline.json", outcome.timeline)
@@ -157,7 +164,8 @@ class NodeLauncher:
         # store with the workers: with sharing (torch's default), a node joining a
         # running job waits forever for the worker store's address, which the rank-0
         # agent publishes only in its first round (torch 2.13, 2.14).
-        env = {"LOGLEVEL": "INFO", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = {"LOGLEVEL": "INFO", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               **self.prestart_env}
         if cfg.launch.devices == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = os.environ.get(
                 "CUDA_VISIBLE_DEVICES", ",".join(map(str, range(cfg.slots))))

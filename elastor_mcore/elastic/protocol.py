@@ -1,6 +1,7 @@
 """The file protocol between the supervisor (or a node launcher) and the ranks it
 starts: the names of the files inside a launch directory, the event log and the
-heartbeat files, with how each side writes and reads them.
+heartbeat files, with how each side writes and reads them, and the environment
+variable that points ranks to a pre-imported worker.
 
 A leaf: standard library only, importing nothing of ours, so the supervisor side of
 ``elastic/`` (no torch) and the rank side (``elastic/rank/``, inside torchrun
@@ -25,6 +26,10 @@ EVENTS_FILE = "events.jsonl"
 injected failure, memory)."""
 HEARTBEAT_DIR = "heartbeat"
 """The heartbeat files' folder inside a launch directory (``slot<N>`` per rank)."""
+
+ZYGOTE_ENV = "ELASTOR_ZYGOTE"
+"""The environment variable naming a pre-imported worker's socket, which the rank's
+keeper asks to fork the rank (``elastic.prestart``, ``elastic.rank.zygote``)."""
 
 # A node directory of a multi-node job (``elastic.node``, ``elastic.rank.node_worker``):
 LAUNCHER_EVENTS = "launcher.jsonl"
@@ -83,7 +88,8 @@ class Beat:
     """What the rank does between two steps that is not a step (``save``,
     ``evaluation``): the start-up timeout applies until its next beat."""
     steps_timed: int = 0
-    """Steps of this launch whose duration the rank measured."""
+    """Steps of this launch whose duration the rank measured (of its latest layout,
+    after a recovery in place: a new layout has its own pace)."""
     step_p99_s: float | None = None
     """The 99th percentile of the last ``STEP_WINDOW`` of those durations: each from the
     rank's previous beat (the end of the previous step, of a save or of the load) to
@@ -103,13 +109,22 @@ class HeartbeatWriter:
         self._last: tuple[int, float] | None = None
         """(step, time) of the previous beat."""
 
+    def new_layout(self) -> None:
+        """Forget the step times measured so far: the steps of the layout a recovery in
+        place chose take their own time."""
+        self.durations.clear()
+        self.timed = 0
+
     def beat(self, step: int, stepping: bool, busy: str | None = None) -> None:
+        """A ``busy`` beat (a save inside a step) leaves the step's timing running: the
+        step's beat times all of it."""
         now = time.time()
         if self._last is not None and stepping and busy is None and \
                 step == self._last[0] + 1:
             self.durations.append(now - self._last[1])
             self.timed += 1
-        self._last = (step, now)
+        if busy is None:
+            self._last = (step, now)
         beat = Beat(self.slot, self.rank, os.getpid(), step, stepping, now, busy,
                     self.timed, percentile(sorted(self.durations), 0.99))
         tmp = self.path.with_name(self.path.name + ".tmp")

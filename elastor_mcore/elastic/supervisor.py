@@ -9,8 +9,15 @@ when a rank exits non-zero (torchrun then tears the others down and exits non-ze
 or when a rank stops heart-beating past its hang timeout (``heartbeat.HangPolicy``;
 a hung collective: nothing exits, so the supervisor stops the job itself). A launch
 whose ranks could not load the latest committed step (they report ``load_failed``)
-makes the next one resume from the committed step before it. The global batch and the data order do not depend on
-the layout, so the relaunched run continues the same loss curve.
+makes the next one resume from the committed step before it. The global batch and the
+data order do not depend on the layout, so the relaunched run continues the same loss
+curve.
+
+A workload whose ranks recover in place (``Workload.in_place``: the trainer unless
+``--recovery relaunch``) keeps its launch through a rank's death or an injected hang:
+the survivors re-plan in their processes (``elastic.inplace``), and a relaunch is the
+fallback when that fails. A workload's ranks start from a pre-imported worker when it
+allows it (``Workload.prestarted``, ``elastic.prestart``) unless ``--no-zygote``.
 
 Run directory::
 
@@ -22,6 +29,7 @@ Run directory::
     launch<K>/              layout.yaml (torchrun ranks), plan.json (physical slots),
                             metrics.jsonl, torchrun.log, events.jsonl, heartbeat/
     timeline.json           launches and recoveries (``timeline``)
+    zygote.log              the pre-imported worker's output (``elastic.prestart``)
 
 The planner plans with a profile measured on this machine for the recipe when one
 exists (the cached one above, or ``--hardware`` itself), measures one first when
@@ -47,11 +55,12 @@ import psutil
 
 from elastor_mcore import planner
 from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
-from elastor_mcore.elastic import probe, profiling
+from elastor_mcore.elastic import inplace, prestart, probe, profiling
 from elastor_mcore.elastic.job import JobConfig, Launch, latest_readable, renumbered
-from elastor_mcore.elastic.protocol import HEARTBEAT_DIR, read_beats
+from elastor_mcore.elastic.heartbeat import Timeout
+from elastor_mcore.elastic.protocol import HEARTBEAT_DIR, Beat, read_beats
 from elastor_mcore.elastic.report import launch_step_s, read_metrics
-from elastor_mcore.elastic.timeline import LaunchRecord, write_json
+from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, write_json
 from elastor_mcore.elastic.torchrun import (forwarding_stop_signals, start_torchrun,
                                             torchrun_command)
 from elastor_mcore.parallel.layout import Layout
@@ -141,6 +150,8 @@ class Supervisor:
         self.hardware = config.hardware
         """The profile the planner uses (chosen at the start of ``run``)."""
         self.profile_path: Path = config.hardware_path
+        self.prestart_env: dict[str, str] = {}
+        """Points the keepers to the pre-imported worker (``elastic.prestart``)."""
 
     # ----- the loop ------------------------------------------------------------------
     def run(self) -> Outcome:
@@ -149,7 +160,9 @@ class Supervisor:
         job holds it)."""
         cfg = self.config
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        with CheckpointLease(cfg.checkpoint_dir, new_job_id()) as self.lease:
+        with CheckpointLease(cfg.checkpoint_dir, new_job_id()) as self.lease, \
+                prestart.prestarted(cfg.launch.zygote and cfg.workload.prestarted,
+                                    cfg.run_dir / "zygote.log") as self.prestart_env:
             self._choose_profile()
             return self._run()
 
@@ -177,7 +190,7 @@ class Supervisor:
                                    self.launches, stopped_by=record.stopped_by)
                 if record.outcome == "finished":
                     return self._finish(True, f"finished {cfg.workload.steps} steps after "
-                                              f"{len(self.launches) - 1} recoveries")
+                                              f"{len(recoveries(self.launches))} recoveries")
                 self._note_loads(record)
                 restarts = len(self.launches) - 1
                 if restarts >= cfg.launch.max_restarts:
@@ -259,9 +272,12 @@ class Supervisor:
         rank = cfg.workload.launch_command(Launch(
             directory=str(out), layout=str(out / "layout.yaml"), slots=slots,
             checkpoint_dir=str(cfg.checkpoint_dir), load_step=record.resumed_from,
-            hardware=str(self.profile_path)))
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))} \
-            if cfg.launch.devices == "cuda" else None
+            hardware=str(self.profile_path), use_all_slots=cfg.launch.use_all_slots))
+        if cfg.workload.prestarted:  # under a keeper, from the pre-imported worker
+            rank = prestart.keeper_command(rank, cfg.workload.in_place)
+        env = dict(self.prestart_env)
+        if cfg.launch.devices == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         with open(out / "torchrun.log", "w") as log_file:
             record.launched_at = time.time()
             return start_torchrun(torchrun_command(len(slots), rank.module, rank.args), env=env,
@@ -277,6 +293,13 @@ class Supervisor:
         cfg = self.config
         metrics = Path(record.dir) / "metrics.jsonl"
         seen = 0
+        watch = inplace.InPlaceWatch(record, cfg.workload.steps, self.on_message) \
+            if cfg.workload.in_place else None
+
+        def silent_of(slots: list[int], beats: dict[int, Beat]) -> dict[int, Timeout]:
+            return cfg.hang.silent_slots(slots, beats, record.launched_at, time.time(),
+                                         cfg.workload.steps)
+
         while True:
             code = proc.poll()
             seen = self._forward_steps(record, metrics, seen)
@@ -288,13 +311,15 @@ class Supervisor:
                 record.outcome = "finished" if code == 0 else "exit"
                 break
             beats = read_beats(self._heartbeats(record))
+            if watch:  # failures the survivors recover from in place
+                beats = watch.absorb(beats, lambda b: silent_of(watch.slots, b),
+                                     process_running)
             died = [b.slot for b in beats.values()
                     if b.step < cfg.workload.steps and not process_running(b.pid)]
             if died:  # faster than waiting for torchrun to notice and tear down
                 record.outcome, record.died_slots = "exit", died
                 break
-            silent = cfg.hang.silent_slots(record.slots, beats, record.launched_at, time.time(),
-                                           cfg.workload.steps)
+            silent = silent_of(watch.slots if watch else record.slots, beats)
             if silent:
                 record.outcome, record.silent_slots = "hang", sorted(silent)
                 record.hang_timeout = silent[record.silent_slots[0]].rule

@@ -8,11 +8,15 @@ initialisation, gradient reduction, the gradient norm, and the checkpoint.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
 from elastor_mcore.geometry import Box, ShardInfo
+
+if TYPE_CHECKING:
+    from elastor_mcore.config.recipe import ModelConfig
+    from elastor_mcore.parallel.layout import Layout
 
 SHARDED_METADATA = {"singleton_local_shards": True}
 """Per-layer keys: with stacked layer keys a heterogeneous layout's shards overlap."""
@@ -68,3 +72,60 @@ def gather_shard_infos(local: Iterable[ShardInfo], group=None) -> dict[int, list
     gathered: list = [None] * len(ranks)
     dist.all_gather_object(gathered, list(local), group=group)
     return dict(zip(ranks, gathered))
+
+
+ADAM_STATE_PREFIXES = ("", "optimizer.exp_avg.", "optimizer.exp_avg_sq.")
+"""A training state's tensors per model weight: the fp32 main weight and AdamW's two
+moments (``runtime.state.state_shards``; mirrored here, which imports no runtime)."""
+
+
+def _split(shape: tuple[int, ...], dim: int | None, tp: int, tp_rank: int) -> Box:
+    """The box TP rank ``tp_rank`` of ``tp`` holds of a tensor split along ``dim``
+    (None: replicated), as mcore's tensor-parallel layers shard it."""
+    if dim is None:
+        return Box((0,) * len(shape), tuple(shape))
+    part = shape[dim] // tp
+    offset = [0] * len(shape)
+    offset[dim] = tp_rank * part
+    local = list(shape)
+    local[dim] = part
+    return Box(tuple(offset), tuple(local))
+
+
+def layout_shard_infos(model: "ModelConfig", layout: "Layout", rank: int, dtype: str = "float32",
+                       prefixes: Iterable[str] = ADAM_STATE_PREFIXES) -> list[ShardInfo]:
+    """What ``rank`` holds under ``layout``, from the shapes alone: the ShardInfos of
+    its stage's ShardedTensors (mcore's local layer spec, per-layer keys, SwiGLU
+    ``fc1`` as ``_w``/``_v``), once per ``prefixes`` entry, sorted by key.
+
+    No model is built, so a 405B model
+    on 16,384 ranks can be planned on paper (``tools/bench_scale.py``);
+    ``tests/test_bench_scale.py`` checks it against real ``sharded_state_dict()``s.
+    """
+    position = layout.position(rank)
+    if position is None:
+        return []
+    stages = layout.pipelines[position.pipeline].stages
+    tp, t = stages[position.stage].tp, position.tp_rank
+    h, ffn, vocab = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.kv_channels
+    per_layer = {  # suffix: (global shape, TP-split dim)
+        "self_attention.linear_qkv.layer_norm_weight": ((h,), None),
+        "self_attention.linear_qkv.weight": ((qkv, h), 0),
+        "self_attention.linear_proj.weight": ((h, h), 1),
+        "mlp.linear_fc1.layer_norm_weight": ((h,), None),
+        "mlp.linear_fc1.weight_w": ((ffn, h), 0),
+        "mlp.linear_fc1.weight_v": ((ffn, h), 0),
+        "mlp.linear_fc2.weight": ((h, ffn), 1),
+    }
+    tensors = {f"decoder.layers.{layer}.{suffix}": spec
+               for layer in layout.layer_range(position.pipeline, position.stage)
+               for suffix, spec in per_layer.items()}
+    if position.stage == 0:
+        tensors["embedding.word_embeddings.weight"] = ((vocab, h), 0)
+    if position.stage == len(stages) - 1:
+        tensors["decoder.final_layernorm.weight"] = ((h,), None)
+        tensors["output_layer.weight"] = ((vocab, h), 0)
+    return sorted((ShardInfo(prefix + key, shape, _split(shape, dim, tp, t), dtype)
+                   for key, (shape, dim) in tensors.items() for prefix in prefixes),
+                  key=lambda info: info.key)

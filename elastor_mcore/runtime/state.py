@@ -164,16 +164,22 @@ def restore_non_tensor_state(manifest: Manifest, optimizer: StageOptimizer) -> N
     tensors are loaded. A checkpoint from before schedules had a constant lr: its
     position is its step's samples."""
     step = (manifest.optimizer or {}).get("step", manifest.step)
+    schedule = manifest.extra.get("lr_schedule") or {
+        **optimizer.scheduler.state_dict(),
+        "num_steps": manifest.step * optimizer.recipe.training.global_batch_size}
+    set_position(optimizer, step, schedule)
+    if manifest.rng and "torch_cpu" in manifest.rng:
+        torch.set_rng_state(_decode_rng(manifest.rng["torch_cpu"]))
+
+
+def set_position(optimizer: StageOptimizer, step: int, schedule: dict) -> None:
+    """AdamW's step count and the lr schedule's state (``scheduler.state_dict()``) after
+    the tensors of ``step`` are in place (a load, or a restore from memory)."""
     for state in optimizer.state.values():
         state["step"] = torch.tensor(float(step), dtype=torch.float32)
     scheduler = optimizer.scheduler
-    saved = manifest.extra.get("lr_schedule") or {
-        **scheduler.state_dict(),
-        "num_steps": manifest.step * optimizer.recipe.training.global_batch_size}
     scheduler.num_steps = 0  # mcore's load_state_dict steps forward by the saved count
-    scheduler.load_state_dict(saved)
-    if manifest.rng and "torch_cpu" in manifest.rng:
-        torch.set_rng_state(_decode_rng(manifest.rng["torch_cpu"]))
+    scheduler.load_state_dict(schedule)
 
 
 def describe_load(path: Path, manifest: Manifest, layout: Layout) -> str:

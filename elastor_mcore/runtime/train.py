@@ -23,7 +23,8 @@ import torch.distributed as dist
 from elastor_mcore import checkpoint, planner
 from elastor_mcore.runtime.state import (
     check_lr_schedule, check_resumable, chunk_policy, data_fields, describe_load,
-    ensure_optimizer_state, manifest_fields, restore_non_tensor_state, state_shards)
+    ensure_optimizer_state, manifest_fields, restore_non_tensor_state, set_position,
+    state_shards)
 from elastor_mcore.config.data import DataConfig
 from elastor_mcore.config.run import RunSettings
 from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_sample_indices,
@@ -37,7 +38,9 @@ from elastor_mcore.planner.cost_model import MemoryBreakdown
 from elastor_mcore.runtime.memory import RankMemory, SavedTensorMeter
 from elastor_mcore.parallel.groups import GroupCache, RankGroups, build_groups, install
 from elastor_mcore.parallel.layout import Layout
-from elastor_mcore.runtime.hooks import StepHooks
+from elastor_mcore.runtime import reshard
+from elastor_mcore.runtime.hooks import Recovery, StepHooks
+from elastor_mcore.runtime.memory_tier import MemoryTier
 from elastor_mcore.runtime.model import build_stage_model, initialize_weights
 from elastor_mcore.runtime.optimizer import StageOptimizer
 from elastor_mcore.runtime.p2p import StageCommunicator, stage_links
@@ -89,6 +92,8 @@ class RunConfig:
     hooks: StepHooks = field(default_factory=StepHooks)
     """Callbacks on every active rank (under the supervisor: heartbeats, events,
     injected failures)."""
+    recovery: Recovery | None = None
+    """Recovery in place (under the supervisor); None: a failed step ends the run."""
     on_memory: Callable[[list[OptimizerMemory]], None] | None = None
     """With ``settings.report_memory``: called on the reporting rank before the first
     step with every active rank's optimizer state."""
@@ -225,8 +230,9 @@ class StageRunner:
 
 
 def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache,
-                measure_startup: bool = False) -> StageRunner | None:
-    """Build everything a rank needs for ``layout``; None on idle ranks.
+                initialize: bool = True, measure_startup: bool = False) -> StageRunner | None:
+    """Build everything a rank needs for ``layout``; None on idle ranks. Without
+    ``initialize`` the weights are left as built (a restore fills them next).
 
     Every world rank must call this (group creation and the reduction plan are
     collective over the world). ``measure_startup``: the tensors the optimizer's
@@ -238,7 +244,8 @@ def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache,
     if groups is not None:
         pg_collection = install(groups)
         model = build_stage_model(recipe, groups, pg_collection)
-        initialize_weights(model, recipe, seed)
+        if initialize:
+            initialize_weights(model, recipe, seed)
         model.to(device)
     before = memory.held_bytes(model) if measure_startup and model is not None else 0
     meter = memory.AllocationMeter() if measure_startup else None
@@ -270,15 +277,19 @@ def _build_optimizer(recipe: Recipe, layout: Layout, model: torch.nn.Module | No
 
 
 def train_steps(runner: StageRunner, source: SampleSource, steps: range,
-                on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+                on_step: Callable[[StepMetrics], None] | None = None,
+                on_update: Callable[[int], None] | None = None) -> list[StepMetrics]:
     """Run the (0-based) ``steps``; metrics are returned on the reporting rank, the
-    lowest active rank (empty elsewhere)."""
+    lowest active rank (empty elsewhere). ``on_update(done)`` runs after each optimizer
+    step (the in-memory tier's copy starts there)."""
     reporter = runner.groups.rank == min(runner.groups.layout.ranks)
     metrics = []
     for step in steps:
         start = time.perf_counter()
         lr = runner.optimizer.lr
         loss_part, norm = runner.train_step(source, step)
+        if on_update:
+            on_update(step + 1)
         loss = torch.tensor(loss_part, dtype=torch.float64)
         dist.all_reduce(loss, group=runner.groups.active)
         if reporter:
@@ -367,16 +378,68 @@ def peak_memory(runner: StageRunner, settings: RunSettings, activations_peak: in
     return gathered
 
 
-def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
-    """Set up this rank for ``cfg.layout``, resume if asked, train until step
-    ``cfg.settings.steps`` and save every ``cfg.settings.save_interval`` steps."""
-    runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache or GroupCache(),
+@dataclass
+class Session:
+    """What the loop runs one layout with: the stage, its data, its saves and its
+    in-memory tier; a recovery in place replaces it."""
+
+    cfg: RunConfig
+    runner: StageRunner
+    source: SampleSource
+    saver: checkpoint.CheckpointManager | None
+    tier: MemoryTier | None
+    start: int
+    """Steps done when the session began."""
+    current: int = 0
+    """The step running (1-based)."""
+
+    @property
+    def reporter(self) -> bool:
+        return self.runner.groups.rank == min(self.cfg.layout.ranks)
+
+    def close(self) -> None:
+        if self.saver:
+            self.saver.close()
+        self.source.close()
+        if self.tier:
+            self.tier.close()
+
+
+def memory_tier(runner: StageRunner | None, cfg: RunConfig) -> MemoryTier | None:
+    """The in-memory tier of the layout (``settings.memory_interval``; collective over
+    the world, idle ranks too): replicas go to a rank on another node, nodes as the
+    planner's profile counts slots (``settings.rank_slots``)."""
+    if not cfg.settings.memory_interval:
+        return None
+    profile = hardware_profile(cfg.settings)
+    per_node = profile[0].gpus_per_node if profile else 1
+    slots = cfg.settings.rank_slots or tuple(range(dist.get_world_size()))
+    node_of = {rank: slots[rank] // per_node for rank in cfg.layout.ranks}
+    shards = state_shards(runner.model, runner.optimizer) if runner is not None else []
+    return MemoryTier.build(shards, cfg.layout.ranks, node_of)
+
+
+def snapshot(session: Session, done: int) -> None:
+    """Start the in-memory copy of the state after ``done`` steps, if one is due."""
+    tier, interval = session.tier, session.cfg.settings.memory_interval
+    if tier is not None and done % interval == 0:
+        tier.snapshot(done, session.runner.optimizer.scheduler.state_dict())
+
+
+def begin(cfg: RunConfig, cache: GroupCache) -> Session | None:
+    """Set up this rank for ``cfg.layout`` and resume if asked; None on idle ranks."""
+    runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache,
                          measure_startup=cfg.settings.report_memory)
+    tier = memory_tier(runner, cfg)
     if runner is None:
-        return []
+        return None
     load_start = time.perf_counter()
-    start = resume(runner, cfg.settings.load_dir, cfg.seed, cfg.settings.data,
-                   cfg.settings.allow_data_change) if cfg.settings.load_dir else 0
+    try:
+        start = resume(runner, cfg.settings.load_dir, cfg.seed, cfg.settings.data,
+                       cfg.settings.allow_data_change) if cfg.settings.load_dir else 0
+    except checkpoint.CheckpointError as exc:
+        cfg.hooks.load_failed(exc)
+        raise
     load_s = time.perf_counter() - load_start
     if cfg.settings.report_memory:
         state = optimizer_memory(runner)
@@ -384,26 +447,39 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
             cfg.on_memory(state)
     if cfg.settings.save_dir and runner.groups.rank == min(cfg.layout.ranks):
         checkpoint.remove_stale(cfg.settings.save_dir)
-    source = open_sample_source(runner, cfg, start)
-    saver = checkpoint_manager(runner, cfg) if cfg.settings.save_dir else None
-    metrics = []
+    session = Session(cfg, runner, open_sample_source(runner, cfg, start),
+                      checkpoint_manager(runner, cfg) if cfg.settings.save_dir else None,
+                      tier, start)
+    snapshot(session, start)  # a failure in the first step finds the start in memory
     cfg.hooks.ready(start, load_s)
-    for step in range(start, cfg.settings.steps):
+    return session
+
+
+def run_steps(session: Session, metrics: list[StepMetrics]) -> None:
+    """Train from ``session.start`` to the last step, saving and copying to memory as
+    due. Each step counts as done (``hooks.step_end``) once its copy is in memory."""
+    cfg, runner, saver, tier = session.cfg, session.runner, session.saver, session.tier
+    for step in range(session.start, cfg.settings.steps):
+        session.current = step + 1
+        if tier:
+            tier.wait()
         cfg.hooks.step_start(step + 1)
         in_flight = saver is not None and saver.in_flight
-        measured = cfg.settings.report_memory and step == start
+        measured = cfg.settings.report_memory and step == session.start
         meter = SavedTensorMeter(runner.model) if measured else contextlib.nullcontext()
         rss = memory.PhaseHighWater() if measured else contextlib.nullcontext()
         with meter, rss:
-            reported = train_steps(runner, source, range(step, step + 1))
+            reported = train_steps(runner, session.source, range(step, step + 1),
+                                   on_update=lambda done: snapshot(session, done))
         if measured:
             peaks = peak_memory(runner, cfg.settings, meter.peak, rss)
-            if cfg.on_peak_memory and runner.groups.rank == min(cfg.layout.ranks):
+            if cfg.on_peak_memory and session.reporter:
                 cfg.on_peak_memory(peaks)
         done = step + 1
         block_s = None
         if saver and ((cfg.settings.save_interval and done % cfg.settings.save_interval == 0)
                       or done == cfg.settings.steps):
+            cfg.hooks.busy("save")
             report = save(runner, cfg, saver, done)
             block_s = None if report.skipped else report.block_s
         for m in reported:
@@ -412,8 +488,61 @@ def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
             metrics.append(m)
             if cfg.on_step:
                 cfg.on_step(m)
+        if tier:
+            tier.wait()
         cfg.hooks.step_end(done)
-    if saver:
-        saver.close()
-    source.close()
+
+
+def train(cfg: RunConfig, cache: GroupCache | None = None) -> list[StepMetrics]:
+    """Set up this rank for ``cfg.layout``, resume if asked, train until step
+    ``cfg.settings.steps`` and save every ``cfg.settings.save_interval`` steps. With a
+    ``cfg.recovery``, a step that fails because a peer is gone is recovered from in
+    place (``recover_in_place``)."""
+    session = begin(cfg, cache or GroupCache())
+    metrics: list[StepMetrics] = []
+    while session is not None:
+        try:
+            run_steps(session, metrics)
+        except RuntimeError as exc:  # gloo's errors when a peer is gone; DistError
+            if session.cfg.recovery is None or isinstance(exc, checkpoint.CheckpointError):
+                raise
+            session = recover_in_place(session, exc)
+            continue
+        session.close()
+        break
     return metrics
+
+
+def recover_in_place(session: Session, error: BaseException) -> Session | None:
+    """After a failed step: regroup with the survivors (``cfg.recovery``; its error if it
+    gives up), build the new layout's stage in this process, restore the newest state
+    the survivors' memory (and the durable checkpoint) holds, and continue from there;
+    None if the new layout leaves this rank out (after it handed its copies on)."""
+    cfg = session.cfg
+    cfg.hooks.recovering(session.current)
+    session.source.close()
+    regroup = cfg.recovery.regroup(error, session.current)  # leaves the broken groups first
+    copies = session.tier.abandon() if session.tier else []
+    if regroup is None:
+        return None
+    began = time.perf_counter()
+    cfg = replace(cfg, layout=regroup.layout, settings=replace(
+        cfg.settings, rank_slots=regroup.rank_slots, load_dir=None))
+    runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, GroupCache(), initialize=False)
+    tier = memory_tier(runner, cfg)
+    built = time.perf_counter()
+    targets = state_shards(runner.model, runner.optimizer) if runner is not None else []
+    restored = reshard.restore(targets, copies, cfg.settings.save_dir)
+    if runner is None:  # idle in the new layout: its copies are handed on
+        return None
+    set_position(runner.optimizer, restored.step, restored.schedule)
+    runner.optimizer.copy_main_to_model()
+    restored_at = time.perf_counter()
+    new = Session(cfg, runner, open_sample_source(runner, cfg, restored.step),
+                  checkpoint_manager(runner, cfg) if cfg.settings.save_dir else None,
+                  tier, restored.step)
+    snapshot(new, restored.step)
+    cfg.recovery.resumed(regroup, restored.step,
+                         {"build": built - began, "restore": restored_at - built},
+                         restored.received_bytes, restored.durable_cells)
+    return new

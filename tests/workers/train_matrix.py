@@ -1,7 +1,7 @@
 """Test worker: train, save, load and verify several layouts in one torchrun world.
 
 Starting a world costs seconds per rank here (mcore imports), so the test modules
-that train layouts share one (``tests/train_world.py``). Each ``--case NAME=LAYOUT:STEPS[,recipe=PATH][,save=DIR][,load=DIR][,verify]``:
+that train layouts share one (``tests/train_world.py``). Each ``--case NAME=LAYOUT:STEPS[,recipe=PATH][,save=DIR][,load=DIR][,verify][,tier][,restore=NAME[,drop=all|even][,durable=DIR]]``:
 
 * loads its recipe (``recipe``, else ``--recipe``: cases may differ in precision, so an
   fp32 checkpoint can be resumed in bf16 and back) and sets up the layout (ranks it
@@ -15,6 +15,16 @@ that train layouts share one (``tests/train_world.py``). Each ``--case NAME=LAYO
 * with ``save``, saves the final state synchronously under DIR, and writes the same
   local shards with ``torch.save`` to ``DIR.state/rank<r>.pt``: what the saving ranks
   held, independent of the checkpoint's read path, for the resharding test.
+
+With ``tier`` the case keeps the in-memory tier (``runtime.memory_tier``, snapshot
+after every optimizer step, a replica on the partner; nodes of 4 ranks) and writes
+``<out>/<name>/copies.rank<r>.pt``: every complete copy the rank holds, as ``[{owner,
+step, shards}]``. A later case ``restore=NAME`` sets up its own layout and fills its
+state from the copies every rank holds of case NAME (``runtime.reshard.restore``,
+collective), with ``drop=all|even`` pretending that every (even) world rank lost its
+copies and ``durable=DIR`` the checkpoint root the rest comes from; it writes
+``restored.rank<r>.pt`` (shard file) and ``restored.rank<r>.json`` (step, bytes
+received, cells read from the checkpoint). NAME is a case of the same directory.
 
 Shard files hold ``[(key, global_shape, global_offset, tensor), ...]``. A case's name
 may be a relative path (``tests/train_world.py`` puts each test module's cases in a
@@ -47,7 +57,9 @@ import torch.distributed as dist
 
 from elastor_mcore import checkpoint
 from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer, planned_state_bytes
-from elastor_mcore.runtime.state import chunk_policy, manifest_fields, state_shards
+from elastor_mcore.runtime import reshard
+from elastor_mcore.runtime.memory_tier import MemoryTier
+from elastor_mcore.runtime.state import chunk_policy, manifest_fields, set_position, state_shards
 from elastor_mcore.compat import cpu
 from elastor_mcore.data.samples import SyntheticTokens
 from elastor_mcore.parallel.groups import GroupCache
@@ -78,6 +90,38 @@ def dump_shards(runner, path: Path) -> None:
                 for s in state_shards(runner.model, runner.optimizer)], path)
 
 
+TIERS: dict[str, MemoryTier | None] = {}
+"""Each ``tier`` case's in-memory tier on this rank, for later ``restore`` cases."""
+
+
+def dump_copies(tier: MemoryTier, path: Path) -> None:
+    torch.save([{"owner": h.owner, "step": h.step,
+                 "shards": [(i.key, i.global_shape, i.box.offset, v.clone())
+                            for i, v in zip(h.shards, h.views(buffer))]}
+                for h, buffer in tier.copies()], path)
+
+
+def restore_case(case: dict, runner, out: Path) -> int:
+    """Fill this rank's state from case ``restore``'s copies (every world rank calls);
+    returns the step restored."""
+    rank = dist.get_rank()
+    drop = case.get("drop")
+    source = TIERS[str(Path(case["name"]).parent / case["restore"])]  # a sibling case
+    lost = drop == "all" or (drop == "even" and rank % 2 == 0)
+    copies = source.copies() if source is not None and not lost else []
+    targets = state_shards(runner.model, runner.optimizer) if runner is not None else []
+    restored = reshard.restore(targets, copies, case.get("durable"))
+    if runner is None:
+        return restored.step
+    set_position(runner.optimizer, restored.step, restored.schedule)
+    runner.optimizer.copy_main_to_model()
+    dump_shards(runner, out / f"restored.rank{rank}.pt")
+    (out / f"restored.rank{rank}.json").write_text(json.dumps(
+        {"step": restored.step, "received_bytes": restored.received_bytes,
+         "durable_cells": restored.durable_cells}))
+    return restored.step
+
+
 def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root: Path,
              measure_startup: bool = False):
     """Run one case; returns this rank's ``StageRunner`` (None on idle ranks)."""
@@ -89,14 +133,31 @@ def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root
     out = out_root / case["name"]
     out.mkdir(parents=True, exist_ok=True)
     seed = recipe.training.seed
-    runner = setup_stage(recipe, layout, seed, cache, measure_startup)
+    runner = setup_stage(recipe, layout, seed, cache, initialize="restore" not in case,
+                         measure_startup=measure_startup)
+    tier = None
+    if "tier" in case:  # collective over the world
+        shards = state_shards(runner.model, runner.optimizer) if runner is not None else []
+        tier = TIERS[case["name"]] = MemoryTier.build(shards, layout.ranks,
+                                                      {r: r // 4 for r in layout.ranks})
+    start = restore_case(case, runner, out) if "restore" in case else 0
     if runner is None:
         return None
-    start = resume(runner, case["load"], seed) if "load" in case else 0
+    if "load" in case:
+        start = resume(runner, case["load"], seed)
     if "verify" in case:
         dump_shards(runner, out / f"loaded.rank{dist.get_rank()}.pt")
     source = SyntheticTokens(recipe.model.vocab_size, recipe.model.seq_length, seed)
-    metrics = train_steps(runner, source, range(start, case["steps"]))
+
+    def copy_to_memory(done: int) -> None:
+        tier.wait()
+        tier.snapshot(done, runner.optimizer.scheduler.state_dict())
+
+    metrics = train_steps(runner, source, range(start, case["steps"]),
+                          on_update=copy_to_memory if tier else None)
+    if tier:
+        tier.wait()
+        dump_copies(tier, out / f"copies.rank{dist.get_rank()}.pt")
     if metrics:
         (out / "metrics.json").write_text(json.dumps([m.__dict__ for m in metrics]))
     shards = {st.key: (tuple(st.global_offset), st.data.detach().clone())

@@ -47,25 +47,53 @@ class ElasticHooks(StepHooks):
         self.heartbeat = HeartbeatWriter(Path(elastic_dir) / HEARTBEAT_DIR, slot, rank)
         self.failures = {f.step: f for f in failures if f.slot == slot}
         self.stepped = False
+        self.step = 0
+        """The last step done (or resumed from)."""
+        self.epoch = 0
+        """Recoveries in place so far (``elastic.rank.inplace`` counts them); the events
+        of each are told apart by it."""
         self.heartbeat.beat(0, stepping=False)  # the supervisor learns our pid early
+
+    def load_failed(self, error: BaseException) -> None:
+        append_event(self.events, "load_failed", rank=self.rank, slot=self.slot,
+                     error=f"{type(error).__name__}: {error}"[:1000])
 
     def ready(self, start_step: int, load_s: float) -> None:
         append_event(self.events, "ready", rank=self.rank, slot=self.slot,
-                     start_step=start_step, load_s=load_s)
+                     start_step=start_step, load_s=load_s, epoch=self.epoch)
+        self.stepped = False
+        self.step = start_step
         self.heartbeat.beat(start_step, stepping=False)
 
     def step_start(self, step: int) -> None:
         failure = self.failures.get(step)
         if failure:
             append_event(self.events, "failure", rank=self.rank, slot=self.slot, step=step,
-                         kind=failure.kind)
+                         kind=failure.kind, epoch=self.epoch)
             inject(failure)
 
     def step_end(self, step: int) -> None:
         if not self.stepped:
-            append_event(self.events, "first_step", rank=self.rank, slot=self.slot, step=step)
+            append_event(self.events, "first_step", rank=self.rank, slot=self.slot, step=step,
+                         epoch=self.epoch)
             self.stepped = True
+        self.step = step
         self.heartbeat.beat(step, stepping=True)
+
+    def busy(self, what: str) -> None:
+        self.heartbeat.beat(self.step, self.stepped, busy=what)
+
+    def idle(self) -> None:
+        """After ``busy`` between two iterations (Megatron-LM's loop): the next step is
+        timed from here."""
+        self.heartbeat.beat(self.step, self.stepped)
+
+    def recovering(self, step: int) -> None:
+        """Silent through a recovery in place: the generous limit applies until the
+        next step (``heartbeat.HangPolicy``), whose timeout then follows the new
+        layout's step times."""
+        self.heartbeat.new_layout()
+        self.heartbeat.beat(step - 1, stepping=False)
 
 
 def from_settings(settings: RunSettings, rank: int) -> StepHooks:

@@ -42,7 +42,6 @@ from elastor_mcore.config.failure_plan import load_failure_plan
 from elastor_mcore.config.launch import MegatronSettings, RoundSettings
 from elastor_mcore.elastic.job import renumbered
 from elastor_mcore.elastic.megatron import MegatronLM, from_settings
-from elastor_mcore.elastic.protocol import append_event
 from elastor_mcore.elastic.rank.hooks import ElasticHooks
 from elastor_mcore.elastic.rank.rendezvous_round import (
     NodeContext, RoundPlan, agree, mark_done, record_round, wait_done, write_outcome)
@@ -62,32 +61,19 @@ class MegatronHooks(ElasticHooks, LoopObserver):
         failures = load_failure_plan(settings.failure_plan) if settings.failure_plan else ()
         super().__init__(settings.elastic_dir, rank, slot, failures)
         self.metrics = settings.metrics_out if reporter else None
-        self.step = 0
 
     def loaded(self, iteration: int, load_s: float) -> None:
-        self.step = iteration
         self.ready(iteration, load_s)
-
-    def load_failed(self, error: BaseException) -> None:
-        append_event(self.events, "load_failed", rank=self.rank, slot=self.slot,
-                     error=f"{type(error).__name__}: {error}"[:1000])
 
     def iteration_start(self, iteration: int) -> None:
         self.step_start(iteration)
 
     def iteration_end(self, iteration: int, loss: float | None, time_s: float) -> None:
-        self.step = iteration
         self.step_end(iteration)
         if self.metrics and loss is not None:
             with open(self.metrics, "a") as out:
                 out.write(json.dumps({"step": iteration, "loss": loss, "time_s": time_s})
                           + "\n")
-
-    def busy(self, what: str) -> None:
-        self.heartbeat.beat(self.step, self.stepped, busy=what)
-
-    def idle(self) -> None:
-        self.heartbeat.beat(self.step, self.stepped)
 
 
 def run_pretrain(settings: MegatronSettings, megatron_argv: Sequence[str], rank: int,

@@ -28,7 +28,8 @@ from elastor_mcore.compat.process import die_with_parent
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.config.run import RunSettings
 from elastor_mcore.elastic.protocol import EVENTS_FILE, append_event
-from elastor_mcore.elastic.rank.hooks import from_settings
+from elastor_mcore.elastic.rank.hooks import ElasticHooks, from_settings
+from elastor_mcore.elastic.rank.inplace import InPlaceRecovery
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.planner import measured_step_s
 from elastor_mcore.runtime.memory import memory_table, startup_table
@@ -64,8 +65,12 @@ class MetricsPrinter:
 
     QUIET_WINDOW = 5
 
-    def __init__(self, path: str | None, prediction: Prediction | None = None) -> None:
-        self.file = open(path, "w") if path else None
+    def __init__(self, path: str | None, prediction: Prediction | None = None,
+                 fresh: bool = True) -> None:
+        self.path = path
+        self.file = open(path, "w") if path and fresh else None
+        """Opened (appending) at the first step reported: a rank that becomes the
+        reporting rank after a recovery in place continues the file."""
         self.quiet: collections.deque[float] = collections.deque(maxlen=self.QUIET_WINDOW)
         self.prediction = prediction
         self.times: list[float] = []
@@ -94,6 +99,8 @@ class MetricsPrinter:
         if m.save_block_s is not None:
             line += f"  save {m.save_block_s:.3f}s"
         print(line, flush=True)
+        if self.path and self.file is None:
+            self.file = open(self.path, "a")
         if self.file:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
@@ -154,16 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     recipe = load_recipe(settings.recipe)
     layout = load_layout(settings.layout, recipe)
     init_distributed()
-    printer = MetricsPrinter(settings.metrics_out, predict_step(settings, recipe, layout)) \
-        if dist.get_rank() == min(layout.ranks) else None
+    reporter = dist.get_rank() == min(layout.ranks)
+    printer = MetricsPrinter(settings.metrics_out,
+                             predict_step(settings, recipe, layout) if reporter else None,
+                             fresh=reporter)
+    hooks = from_settings(settings, dist.get_rank())
+    recovery = InPlaceRecovery.from_settings(settings, recipe, hooks) \
+        if isinstance(hooks, ElasticHooks) and settings.recovery == "in-place" else None
     try:
         train(RunConfig(recipe, layout, settings, on_step=printer, on_memory=print_memory,
-                        on_peak_memory=peak_memory_reporter(settings),
-                        hooks=from_settings(settings, dist.get_rank())))
+                        on_peak_memory=peak_memory_reporter(settings), hooks=hooks,
+                        recovery=recovery))
     finally:
-        if printer:
-            printer.close()
-        dist.destroy_process_group()
+        printer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

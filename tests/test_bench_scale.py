@@ -1,0 +1,74 @@
+"""``tools/bench_scale.py``'s simulated shards are mcore's: ``layout_shard_infos``
+against the real ``sharded_state_dict()`` state of the tiny model, saved by every rank
+of a heterogeneous layout with permuted ranks and idle ones (a case of the shared
+torchrun world, ``tests/train_world.py``); and the tool itself on a small world."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from elastor_mcore.config.recipe import load_recipe
+from elastor_mcore.parallel.layout import load_layout
+from elastor_mcore.parallel.shards import layout_shard_infos
+from tests.train_world import TIMEOUT, TrainWorldPart
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = load_recipe(REPO / "recipes/tiny-llama.yaml")
+LAYOUT = {"pipelines": [  # two pipelines split differently; ranks 2 and 5 idle
+    {"micro_batches": 9, "stages": [{"tp": 2, "layers": 2, "ranks": [6, 1]},
+                                    {"tp": 1, "layers": 6, "ranks": [4]}]},
+    {"micro_batches": 7, "stages": [{"tp": 1, "layers": 5, "ranks": [0]},
+                                    {"tp": 4, "layers": 3, "ranks": [7, 3, 5, 2]}]},
+]}
+
+
+def train_world_part(out: Path) -> TrainWorldPart:
+    path = out / "permuted.yaml"
+    path.write_text(yaml.safe_dump(LAYOUT))
+    return TrainWorldPart([f"shards={path}:0,save={out / 'saved'}"])
+
+
+@pytest.fixture(scope="module")
+def world(train_world) -> Path:
+    return train_world[__name__]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_simulated_shards_are_the_models(world):
+    layout = load_layout(world / "permuted.yaml", RECIPE)
+    for rank in layout.ranks:
+        saved = torch.load(world / "saved.state" / f"rank{rank}.pt")
+        real = sorted((key, tuple(shape), tuple(offset), tuple(data.shape),
+                       str(data.dtype).removeprefix("torch."))
+                      for key, shape, offset, data in saved)
+        simulated = sorted((i.key, i.global_shape, i.box.offset, i.box.shape, i.dtype)
+                           for i in layout_shard_infos(RECIPE.model, layout, rank))
+        assert simulated == real, rank
+
+
+@pytest.mark.timeout(300)
+def test_bench_scale_runs(tmp_path):
+    """The tool on its smallest world: every plan, counted and timed."""
+    out = tmp_path / "scale.json"
+    subprocess.run([sys.executable, str(REPO / "tools/bench_scale.py"), "--models",
+                    "llama3-8b", "--worlds", "64", "--lost", "1", "--samples", "1",
+                    "--out", str(out)], check=True, cwd=REPO, capture_output=True)
+    [row] = json.loads(out.read_text())["rows"]
+    save, [failure] = row["save_uniform"], row["failures"]
+    assert save["ranks"] == 64 and save["job_wide_steps"] == 2
+    assert failure["planner"]["gpus_used"] <= 63
+    assert failure["load"]["job_wide_steps"] == 2
+    assert save["max_exchanged_bytes"] > 0 and save["manifest_bytes"] > 0
+    tables = {flag: subprocess.run(
+        [sys.executable, str(REPO / "tools/bench_scale.py"), *flag.split(), str(out)],
+        check=True, cwd=REPO, capture_output=True, text=True).stdout
+        for flag in ("--table", "--planner-table")}
+    assert f"| 64 | lost 1 | {failure['save']['ranks']} | " in tables["--table"]
+    assert f"| llama3-8b | 64 | 1 | {failure['planner']['cpu_s']:.3f} | " in tables["--planner-table"]

@@ -1,0 +1,95 @@
+"""Ranks start from a pre-imported worker (``elastic/rank/zygote.py``) through their
+keeper (``elastic/rank/keeper.py``): real processes, a module of the test's own. The
+rank finds torch imported, gets the keeper's argv, environment, directory and output,
+and its exit code or signal comes back as the keeper's (an in-place keeper hides a
+signal); a keeper killed takes its rank with it; without the zygote the keeper forks
+the rank itself.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elastor_mcore.elastic.prestart import prestarted
+from elastor_mcore.elastic.protocol import ZYGOTE_ENV
+from elastor_mcore.elastic.rank.keeper import exit_code
+from tests.conftest import REPO
+
+RANK = """
+import os, sys, time
+print("rank", os.getpid(), sys.argv[1:], os.environ.get("WHO"), os.getcwd(),
+      "torch" in sys.modules, flush=True)
+if sys.argv[1] == "pid":
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    time.sleep(60)
+if sys.argv[1] == "signal":
+    os.kill(os.getpid(), 9)
+sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
+"""
+
+
+def keeper(tmp: Path, env: dict, *args: str, wait: bool = True):
+    (tmp / "probe_rank.py").write_text(RANK)
+    env = {**os.environ, **env, "WHO": "keeper",
+           "PYTHONPATH": f"{tmp}{os.pathsep}{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, "-m", "elastor_mcore.elastic.rank.keeper", *args]
+    if not wait:
+        return subprocess.Popen(command, env=env, cwd=tmp, stdout=subprocess.PIPE, text=True)
+    return subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    with prestarted(True) as env:
+        yield env
+
+
+def test_a_rank_from_the_zygote_finds_torch_imported(zygote, tmp_path):
+    result = keeper(tmp_path, zygote, "probe_rank", "3", "x")
+    assert result.returncode == 3, result.stderr
+    assert f"['3', 'x'] keeper {tmp_path} True" in result.stdout  # torch imported before
+    started = time.perf_counter()
+    assert keeper(tmp_path, zygote, "probe_rank", "0").returncode == 0
+    print(f"a keeper and its rank from the zygote, start to exit: "
+          f"{time.perf_counter() - started:.2f}s")
+
+
+def test_a_signal_is_the_keepers_code_unless_in_place(zygote, tmp_path):
+    assert keeper(tmp_path, zygote, "probe_rank", "signal").returncode == 128 + 9
+    assert keeper(tmp_path, zygote, "--in-place", "probe_rank", "signal").returncode == 0
+    assert keeper(tmp_path, zygote, "--in-place", "probe_rank", "4").returncode == 4
+
+
+def test_a_killed_keeper_takes_its_rank_along(zygote, tmp_path):
+    pid_file = tmp_path / "rank.pid"
+    proc = keeper(tmp_path, zygote, "probe_rank", "pid", str(pid_file), wait=False)
+    deadline = time.monotonic() + 120
+    while not pid_file.is_file() or not pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    rank = int(pid_file.read_text())
+    assert os.getpgid(rank) == rank  # a session of its own: stopping it stops no other
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{rank}") and "zombie" not in open(f"/proc/{rank}/status").read().lower():
+        assert time.monotonic() < deadline, "the rank outlived its keeper"
+        time.sleep(0.05)
+
+
+def test_without_a_zygote_the_keeper_forks_the_rank(tmp_path):
+    assert ZYGOTE_ENV not in os.environ
+    result = keeper(tmp_path, {}, "probe_rank", "5")
+    assert result.returncode == 5 and f"['5'] keeper {tmp_path} False" in result.stdout
+
+
+def test_exit_codes():
+    assert exit_code(0, in_place=False) == 0
+    assert exit_code(signal.SIGKILL, in_place=False) == 128 + signal.SIGKILL
+    assert exit_code(signal.SIGKILL, in_place=True) == 0
+    assert exit_code(3 << 8, in_place=True) == 3

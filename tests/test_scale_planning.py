@@ -1,0 +1,258 @@
+"""Per-tensor planning (each tensor planned by its owner from its holders' shards; see
+``checkpoint/plan.py``) against whole-job references, on seeded random layouts of
+the tiny recipe with permuted, non-contiguous ranks and idle ranks.
+
+The message passing of ``writer.plan_save`` and ``reader.plan_load`` is replayed in
+one process: every rank's local plan routed to the owners, each owner's plan, each
+rank's part. The references know nothing of owners:
+
+* saves: per element, the ranks whose shards cover it (bit masks, as
+  ``test_geometry``): every element is written exactly once, by one of those ranks,
+  in a unit whose holders are exactly them; each tensor's entry is the one the whole
+  job's shard boundaries give; each rank's plan holds exactly the units it writes;
+  the coordinator knows every entry and every writer;
+* loads: each rank's pieces are exactly the cells of the whole job's common
+  refinement (``geometry.common_refinement`` over every rank's targets) that it holds;
+  each cell has one reader among its holders, every holder agrees on it (or reads
+  itself from the same page cache), and the reader sends it to exactly the holders on
+  other hosts.
+
+Seeds are in the test ids; ``layout_shard_infos`` gives each rank's shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import pickle
+import random
+
+import numpy as np
+import pytest
+
+from elastor_mcore.checkpoint import comm
+from elastor_mcore.checkpoint.format import ChunkPolicy, choose_entry
+from elastor_mcore.checkpoint.plan import (
+    assignments, build_plan, file_units, held_bytes, merge, plan_tensors, route)
+from elastor_mcore.checkpoint.reader import LoadRequest, plan_reads
+from elastor_mcore.config.recipe import load_recipe
+from elastor_mcore.geometry import boundaries, common_refinement
+from elastor_mcore.parallel.layout import layout_from_dict
+from elastor_mcore.parallel.shards import layout_shard_infos
+
+RECIPE = load_recipe("recipes/tiny-llama.yaml")
+MAX_RANKS = 20
+SEEDS = range(16)
+
+
+def random_layout(seed: int):
+    """1-4 pipelines of 1-3 stages, TP in {1, 2, 4}, on ranks drawn at random from
+    ``range(MAX_RANKS)`` (the rest idle)."""
+    rng = random.Random(seed)
+    layers = RECIPE.model.num_layers
+    while True:
+        shapes = []
+        for _ in range(rng.randint(1, 4)):
+            stages = rng.randint(1, 3)
+            cuts = sorted(rng.sample(range(1, layers), stages - 1))
+            shapes.append([(rng.choice((1, 2, 4)), b - a)
+                           for a, b in zip([0, *cuts], [*cuts, layers])])
+        used = sum(tp for shape in shapes for tp, _ in shape)
+        if used <= MAX_RANKS:
+            break
+    ranks = rng.sample(range(MAX_RANKS), used)
+    pipelines = []
+    for shape in shapes:
+        stages = []
+        for tp, n in shape:
+            stages.append({"tp": tp, "layers": n, "ranks": ranks[:tp]})
+            ranks = ranks[tp:]
+        pipelines.append({"micro_batches": 1, "stages": stages})
+    return layout_from_dict({"pipelines": pipelines})
+
+
+def group_order(layout, seed: int) -> list[int]:
+    """The group's ranks in a random order: its first is the coordinator."""
+    ranks = list(layout.ranks)
+    random.Random(seed + 1).shuffle(ranks)
+    return ranks
+
+
+def holder_masks(shape, boxes_by_rank) -> np.ndarray:
+    mask = np.zeros(shape, dtype=np.int64)
+    for rank, boxes in boxes_by_rank.items():
+        for box in boxes:
+            mask[box.slices()] |= np.int64(1) << rank
+    return mask
+
+
+def simulate_save(infos, ranks, policy):
+    """``writer.plan_save`` for every rank at once: (every unit with its writer, each
+    rank's plan)."""
+    outbox: dict[int, dict] = {}
+    for rank in ranks:
+        for owner, mine in route(infos[rank], ranks).items():
+            outbox.setdefault(owner, {})[rank] = mine
+    totals = {rank: held_bytes(infos[rank]) for rank in ranks}
+    owned = {owner: plan_tensors(inbox, policy) for owner, inbox in outbox.items()}
+    parts: dict[int, dict] = {}
+    for owner, (entries, cells) in owned.items():
+        for rank, part in assignments(entries, cells, ranks[0], totals).items():
+            parts.setdefault(rank, {})[owner] = part
+    plans = {r: merge(r, parts.get(r, {}).values(), file_units(*owned.get(r, ({}, []))))
+             for r in ranks}
+    writers = {(u.key, u.box.offset): r for r, p in plans.items() for u in p.units}
+    units = [dataclasses.replace(u, writer=writers[u.key, u.box.offset])
+             for p in plans.values() for u in p.owned]
+    return units, plans
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_save_plan_writes_every_element_once_by_a_holder(seed):
+    layout = random_layout(seed)
+    ranks = group_order(layout, seed)
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
+    policy = ChunkPolicy(split_sizes=tuple(RECIPE.model.valid_tp_sizes))
+    units, plans = simulate_save(infos, ranks, policy)
+    shapes = {i.key: i.global_shape for held in infos.values() for i in held}
+    by_key: dict[str, list] = {}
+    for unit in units:
+        by_key.setdefault(unit.key, []).append(unit)
+    assert set(by_key) == set(shapes)
+    for key, shape in shapes.items():
+        boxes = {r: [i.box for i in infos[r] if i.key == key] for r in ranks}
+        mask = holder_masks(shape, boxes)
+        written = np.zeros(shape, dtype=np.int64)
+        for unit in by_key[key]:
+            written[unit.box.slices()] += 1
+            cover = np.unique(mask[unit.box.slices()])
+            assert cover.tolist() == [sum(1 << h for h in unit.holders)], (seed, key, unit)
+            assert unit.writer in unit.holders
+        assert (written == 1).all(), (seed, key)
+        expected = choose_entry(shape, "float32", boundaries(shape, [
+            b for held in boxes.values() for b in held]), policy)
+        assert plans[ranks[0]].entries[key] == expected, (seed, key)
+
+    for rank in ranks:
+        mine = sorted((u.key, u.box.offset) for u in plans[rank].units)
+        assert mine == sorted((u.key, u.box.offset) for u in units if u.writer == rank)
+        assert {u.key for u in plans[rank].units} <= set(plans[rank].entries)
+    creators = [k for r in ranks for k in plans[r].creates]
+    assert sorted(creators) == sorted(shapes)  # each array's metadata created once
+    assert plans[ranks[0]].entries.keys() == shapes.keys()
+    assert sorted((u.key, u.box.offset, u.writer) for u in units) == sorted(
+        (u.key, u.box.offset, u.writer) for u in build_plan(infos, policy).units)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_each_holder_set_is_balanced(seed):
+    """The holders of a set choose its writers among themselves, largest unit first to
+    the least loaded, each load weighted by what the member holds in all: within each
+    set the weighted loads differ by at most its largest unit times the largest
+    weight (the greedy's bound), whatever owner planned which tensor."""
+    first, second = random_layout(seed), random_layout(seed + 500)  # replicas of each other
+    infos = {r: layout_shard_infos(RECIPE.model, first, r) for r in first.ranks}
+    infos.update({MAX_RANKS + r: layout_shard_infos(RECIPE.model, second, r)
+                  for r in second.ranks})
+    ranks = sorted(infos)
+    random.Random(seed).shuffle(ranks)
+    units, _ = simulate_save(infos, ranks, ChunkPolicy(chunk_bytes=4096, file_bytes=16384))
+    weight = {r: held_bytes(held) for r, held in infos.items()}
+    by_set: dict[tuple[int, ...], list] = {}
+    for unit in units:
+        by_set.setdefault(unit.holders, []).append(unit)
+    shared = {h: u for h, u in by_set.items() if len(h) > 1}
+    assert shared, "no replicated units: nothing tested"
+    for holders, members in shared.items():
+        load = dict.fromkeys(holders, 0)
+        for unit in members:
+            load[unit.writer] += unit.nbytes
+        weighted = [load[r] * weight[r] for r in holders]
+        bound = max(u.nbytes for u in members) * max(weight[r] for r in holders)
+        assert max(weighted) - min(weighted) <= bound, (seed, holders, load)
+
+
+def test_a_rank_holding_more_writes_less_of_what_it_shares():
+    """Three pipelines of one stage and one of eight (rank 3 holds every layer, the
+    others one layer each): one plan of the whole job would give rank 3 little to
+    write; so do the holders' weighted choices, though each set is planned apart."""
+    layout = layout_from_dict({"pipelines": [
+        {"micro_batches": 1, "stages": [{"tp": 1, "layers": 1, "ranks": [4 + 8 * p + i]}
+                                        for i in range(8)]} for p in range(3)] + [
+        {"micro_batches": 1, "stages": [{"tp": 1, "layers": 8, "ranks": [3]}]}]})
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in layout.ranks}
+    units, _ = simulate_save(infos, list(layout.ranks),
+                             ChunkPolicy(chunk_bytes=1024, file_bytes=4096))
+    load = dict.fromkeys(layout.ranks, 0)
+    for unit in units:
+        load[unit.writer] += unit.nbytes
+    mean = sum(load.values()) / len(load)
+    assert max(load.values()) <= 1.5 * mean, load
+
+
+def test_files_are_the_whole_job_plans_files():
+    """The units are the cells of the whole job's refinement cut by each tensor's file
+    grid: the same files as planning everything in one place."""
+    for seed in SEEDS:
+        layout = random_layout(seed)
+        ranks = group_order(layout, seed)
+        infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
+        policy = ChunkPolicy(split_sizes=tuple(RECIPE.model.valid_tp_sizes))
+        units, _ = simulate_save(infos, ranks, policy)
+        whole = build_plan(infos, policy)
+        got = sorted(((u.key, u.box.offset, u.holders), u.box) for u in units)
+        expected = []
+        for cell in common_refinement(infos):
+            shard = whole.entries[cell.key].shard
+            for lo in itertools.product(*(range(o, o + s, step) for o, s, step in
+                                          zip(cell.box.offset, cell.box.shape, shard))):
+                expected.append((cell.key, tuple(lo), cell.holders))
+        assert [row for row, _ in got] == sorted(expected), seed
+        assert sum(b.numel for _, b in got) == sum(
+            math.prod(e.shape) for e in whole.entries.values())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_load_pieces_are_the_whole_job_cells(seed):
+    saved_by, loaded_by = random_layout(seed), random_layout(seed + 1000)
+    del saved_by  # what a load plans depends on the targets only
+    ranks = group_order(loaded_by, seed)
+    infos = {r: layout_shard_infos(RECIPE.model, loaded_by, r) for r in ranks}
+    cache = {r: f"host{r % 3}" for r in ranks}
+    outbox: dict[int, dict] = {}
+    for rank in ranks:
+        for owner, mine in route(infos[rank], ranks).items():
+            outbox.setdefault(owner, {})[rank] = LoadRequest(tuple(mine), cache[rank])
+    pieces: dict[int, list] = {}
+    for owner, inbox in outbox.items():
+        for rank, part in plan_reads(inbox).items():
+            pieces.setdefault(rank, []).extend(part)
+
+    cells = common_refinement(infos)
+    for rank in ranks:
+        got = sorted((p.key, p.box.offset, p.box.shape) for p in pieces.get(rank, []))
+        assert got == sorted((c.key, c.box.offset, c.box.shape)
+                             for c in cells if rank in c.holders), (seed, rank)
+    for cell in cells:
+        held = {r: next(p for p in pieces[r] if (p.key, p.box) == (cell.key, cell.box))
+                for r in cell.holders}
+        away = {r for r, p in held.items() if p.reader != r}
+        if not away:  # every holder reads it itself: one page cache holds them all
+            assert len({cache[r] for r in cell.holders}) == 1, (seed, cell)
+            assert sum(bool(p.send_to) for p in held.values()) == 0
+            continue
+        [reader] = {held[r].reader for r in away}
+        assert reader in cell.holders and held[reader].reader == reader, (seed, cell)
+        assert set(held[reader].send_to) == away
+        assert all(cache[r] != cache[reader] for r in away)
+        assert all(cache[r] == cache[reader] for r in set(cell.holders) - away)
+
+
+def test_an_object_sent_to_every_rank_is_pickled_once():
+    """The coordinator of a load sends its step directory to every rank of the job:
+    one pickle, however many ranks (``comm.pickled``), each message still its own."""
+    step_dir, request = "/checkpoints/step_00000010", LoadRequest((), "node0")
+    messages = comm.pickled({**dict.fromkeys(range(1, 1000), step_dir), 0: request})
+    assert len({id(blob) for blob in messages.values()}) == 2
+    assert pickle.loads(messages[999]) == step_dir and pickle.loads(messages[0]) == request

@@ -1,0 +1,589 @@
+"""Checkpoint planning, gradient cells and the planner on simulated worlds of up to
+16,384 GPUs: the project's real planning code, no processes, no data.
+
+    PYTHONPATH=. python tools/bench_scale.py [--models llama3-8b,llama3-70b,llama3-405b]
+        [--worlds 64,512,4096,16384] [--lost 1,8,64] [--samples 3]
+        [--only uniform,save,load,grad] [--out FILE]
+    PYTHONPATH=. python tools/bench_scale.py --table FILE...   # markdown tables
+    PYTHONPATH=. python tools/bench_scale.py --table BEFORE AFTER --curve MODEL LOST
+    PYTHONPATH=. python tools/bench_scale.py --planner-table FILE...
+
+Each rank's state is what ``parallel.shards.layout_shard_infos`` derives from the
+layout and the recipe's shapes (the fp32 main weights and AdamW's two moments of the
+rank's ShardedTensors; ``tests/test_bench_scale.py`` checks it against real mcore
+``sharded_state_dict()`` metadata). Per model and world: the uniform layout Megatron
+would use (``UNIFORM``), and the planner's layout after losing 1, 8 and 64 GPUs
+scattered over the nodes. Per case:
+
+* **save** under the uniform layout and under each failure layout: ``writer.plan_save``
+  (the owners' plans, the holders' writers and metadata creators) and the finish
+  (the coordinator's manifest);
+* **load** of the uniform layout's checkpoint under each failure layout:
+  ``reader.plan_load`` (the owners' refinements and shared reads);
+* **grad cells**: the gradient-reduction cells and buckets (``runtime.grad_sync``,
+  unchanged: a gather of every rank's boxes and the whole job's refinement);
+* **planner**: ``planner.plan`` for the alive GPUs (H100-80GB profile).
+
+Collectives go through ``SimComm``, all of them job-wide; each records the bytes every
+rank sends and receives (pickled, as ``Comm.exchange`` and ``all_gather_object`` move
+them), grouped into DCP's steps. Per-rank CPU is ``time.process_time`` of each rank's
+share of the work (pickling what it sends, unpickling what it receives, planning),
+for every simulated rank of a save or load (``SharedReads.build`` only on
+``--samples`` ranks) and, for the grad cells, where every rank computes the same
+whole-job refinement, on ``--samples`` ranks. Nothing here writes or reads storage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import pickle
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from elastor_mcore.checkpoint import comm  # noqa: E402
+from elastor_mcore.checkpoint import plan as write_plan  # noqa: E402
+from elastor_mcore.checkpoint import reader  # noqa: E402
+from elastor_mcore.checkpoint.format import Manifest  # noqa: E402
+from elastor_mcore.checkpoint.plan import (  # noqa: E402
+    LocalShard, WritePlan, assignments, file_units, held_bytes, merge, route)
+from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
+from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
+from elastor_mcore.geometry import common_refinement  # noqa: E402
+from elastor_mcore.parallel.layout import Layout, layout_from_dict  # noqa: E402
+from elastor_mcore.parallel.shards import layout_shard_infos  # noqa: E402
+from elastor_mcore.planner import PlannerError, load_hardware, plan  # noqa: E402
+from elastor_mcore.runtime.grad_sync import reduction_plan  # noqa: E402
+from elastor_mcore.runtime.state import chunk_policy  # noqa: E402
+
+GPUS_PER_NODE = 8
+UNIFORM = {  # model: (TP, layers per stage); DP fills the world
+    "llama3-8b": (2, [32]),             # the recipe's default layout, dp16-tp2-pp1
+    "llama3-70b": (4, [20] * 4),        # the recipe's default layout, dp16-tp4-pp4
+    # Meta's 405B pre-training: TP 8, PP 16, one layer fewer on the first and last
+    # stages ("The Llama 3 Herd of Models", Table 4 and section 3.3.2).
+    "llama3-405b": (8, [7] + [8] * 14 + [7]),
+}
+HARDWARE = REPO / "recipes/hardware/h100-80gb.yaml"
+
+
+# --------------------------------------------------------------------------- comm
+
+
+@dataclass
+class Collective:
+    step: str
+    """The job-wide step this call belongs to (DCP counts its steps: a plan's gather
+    and scatter are one ``reduce_scatter``, a finish's gather and broadcast one
+    ``all_reduce``)."""
+    call: str
+    max_sent: int
+    max_received: int
+
+
+@dataclass
+class SimComm:
+    """Moves pickled messages between simulated ranks and counts what every rank of
+    the job sends and receives in each call (all of them job-wide)."""
+
+    ranks: list[int]
+    log: list[Collective] = field(default_factory=list)
+    sent: dict[int, int] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+
+    def _count(self, step: str, call: str, sent: dict[int, int],
+               received: dict[int, int]) -> None:
+        for rank, n in sent.items():
+            self.sent[rank] = self.sent.get(rank, 0) + n
+        for rank, n in received.items():
+            self.received[rank] = self.received.get(rank, 0) + n
+        self.log.append(Collective(step, call, max(sent.values(), default=0),
+                                   max(received.values(), default=0)))
+
+    def all_gather_sizes(self, step: str, sizes: dict[int, int]) -> None:
+        """An ``all_gather_object`` of objects of these pickled sizes: each rank
+        receives every other rank's object (and, in a ring, forwards as many bytes)."""
+        total = sum(sizes.values())
+        others = {r: total - sizes[r] for r in self.ranks}
+        self._count(step, "all_gather_object", others, others)
+
+    def all_gather_small(self, step: str, value: Any) -> None:
+        """An ``all_gather_object`` where every rank contributes ``value``."""
+        self.all_gather_sizes(step, dict.fromkeys(self.ranks, len(pickle.dumps(value))))
+
+    def all_reduce(self, step: str, nbytes: int) -> None:
+        """An ``all_reduce`` of ``nbytes`` per rank (a ring sends and receives about
+        twice that)."""
+        each = dict.fromkeys(self.ranks, 2 * nbytes)
+        self._count(step, "all_reduce", each, each)
+
+    def broadcast(self, step: str, value: Any) -> None:
+        """``broadcast_object_list`` from the coordinator (a tree: each rank receives
+        the object once and forwards it at most twice)."""
+        n = len(pickle.dumps(value))
+        self._count(step, "broadcast_object_list", dict.fromkeys(self.ranks, 2 * n),
+                    dict.fromkeys(self.ranks, n))
+
+    def exchange(self, step: str, outbox: dict[int, dict[int, bytes]]) -> None:
+        """``comm.Comm.exchange``: ``outbox[dest][sender]`` pickled messages (a rank's
+        message to itself is not sent). Two ``all_to_all_single`` calls: the sizes (8
+        bytes to every rank), then the messages."""
+        n = len(self.ranks)
+        sizes = dict.fromkeys(self.ranks, 8 * (n - 1))
+        self._count(step, "all_to_all_single (sizes)", sizes, sizes)
+        sent = dict.fromkeys(self.ranks, 0)
+        received = dict.fromkeys(self.ranks, 0)
+        for dest, inbox in outbox.items():
+            for sender, blob in inbox.items():
+                if sender != dest:
+                    sent[sender] += len(blob)
+                    received[dest] += len(blob)
+        self._count(step, "all_to_all_single (messages)", sent, received)
+
+    def summary(self) -> dict[str, Any]:
+        return {"job_wide_steps": len({c.step for c in self.log}),
+                "job_wide_calls": len(self.log),
+                "calls": [f"{c.step}: {c.call}" for c in self.log],
+                "max_sent_bytes": max(self.sent.values(), default=0),
+                "max_received_bytes": max(self.received.values(), default=0),
+                "max_exchanged_bytes": max((self.sent.get(r, 0) + self.received.get(r, 0)
+                                            for r in self.ranks), default=0)}
+
+
+def cpu(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """``fn``'s result and CPU seconds. The cyclic garbage collector is off (``main``):
+    a save or load pauses it on a real rank (``checkpoint.gc_pause``), and here a
+    collection would walk every simulated rank's objects at once."""
+    start = time.process_time()
+    out = fn()
+    return time.process_time() - start, out
+
+
+def sample_ranks(ranks: list[int], n: int) -> list[int]:
+    """``n`` ranks spread over the job, the first and the last included."""
+    if n >= len(ranks):
+        return list(ranks)
+    return sorted({ranks[round(i * (len(ranks) - 1) / max(1, n - 1))] for i in range(n)})
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def scaled_recipe(recipe: Recipe, dp: int, stages: int) -> Recipe:
+    """The recipe with a global batch of at least one micro-batch per stage of each
+    pipeline (1F1B's least; the planner refuses a pipeline with fewer)."""
+    micro = recipe.training.total_micro_batches
+    if micro % dp == 0 and micro // dp >= stages:
+        return recipe
+    batch = -(-max(micro, dp * stages) // dp) * dp * recipe.training.micro_batch_size
+    return dataclasses.replace(recipe, training=dataclasses.replace(
+        recipe.training, global_batch_size=batch))
+
+
+def uniform(recipe: Recipe, world: int) -> tuple[Recipe, Layout] | None:
+    tp, stages = UNIFORM[recipe.name]
+    per_pipeline = tp * len(stages)
+    if world % per_pipeline:
+        return None
+    dp = world // per_pipeline
+    recipe = scaled_recipe(recipe, dp, len(stages))
+    micro = recipe.training.total_micro_batches // dp
+    # mcore's rank order: TP fastest, then DP, then PP
+    layout = layout_from_dict({"pipelines": [
+        {"micro_batches": micro,
+         "stages": [{"tp": tp, "layers": layers,
+                     "ranks": [t + tp * d + tp * dp * s for t in range(tp)]}
+                    for s, layers in enumerate(stages)]}
+        for d in range(dp)]})
+    layout.validate(recipe)
+    return recipe, layout
+
+
+def lost_gpus(world: int, lost: int) -> list[int]:
+    """``lost`` GPUs on as many different nodes, spread over the job."""
+    nodes = world // GPUS_PER_NODE
+    return sorted((i * nodes // lost) * GPUS_PER_NODE + i % GPUS_PER_NODE
+                  for i in range(lost))
+
+
+# --------------------------------------------------------------------------- cases
+
+
+def pickled(recipe: Recipe, layout: Layout, wrap=lambda rank, infos: infos,
+            prefixes=None) -> dict[int, bytes]:
+    """Every rank's contribution to a gather, pickled (one rank's infos in memory at
+    a time: 16,384 ranks' worth of ShardInfo objects would not fit twice)."""
+    kwargs = {} if prefixes is None else {"prefixes": prefixes}
+    return {r: pickle.dumps(wrap(r, layout_shard_infos(recipe.model, layout, r, **kwargs)))
+            for r in layout.ranks}
+
+
+def page_cache(rank: int) -> str:
+    return f"node{rank // GPUS_PER_NODE}"
+
+
+class RankClock:
+    """CPU seconds per simulated rank, summed over the phases each rank runs."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def run(self, rank: int, fn: Callable[[], Any]) -> Any:
+        seconds, out = cpu(fn)
+        self.seconds[rank] = self.seconds.get(rank, 0.0) + seconds
+        return out
+
+    def summary(self, sampled: dict[int, float] | None = None) -> dict[str, Any]:
+        """The slowest rank (and which), adding ``sampled``'s slowest where a phase ran
+        on the sampled ranks only."""
+        rank = max(self.seconds, key=self.seconds.get)
+        extra = max(sampled.values()) if sampled else 0.0
+        return {"plan_cpu_s_max": self.seconds[rank] + extra, "slowest_rank": rank,
+                "plan_cpu_s_median": statistics.median(self.seconds.values()) + extra,
+                "sampled_phase_s_max": extra}
+
+
+def exchange_to_owners(recipe: Recipe, layout: Layout, clock: RankClock,
+                       message: Callable[[int, list], dict[int, Any]]
+                       ) -> dict[int, dict[int, bytes]]:
+    """Every rank's local plan (``message``: its shard descriptions, by destination),
+    pickled as ``Comm.exchange`` sends it: ``outbox[dest][sender]``."""
+    outbox: dict[int, dict[int, bytes]] = {}
+    for rank in layout.ranks:
+        infos = layout_shard_infos(recipe.model, layout, rank)
+        routed = clock.run(rank, lambda: comm.pickled(message(rank, infos)))
+        for dest, blob in routed.items():
+            outbox.setdefault(dest, {})[rank] = blob
+    return outbox
+
+
+def receive(clock: RankClock, rank: int, inbox: dict[int, bytes]) -> dict[int, Any]:
+    return clock.run(rank, lambda: {s: pickle.loads(b) for s, b in sorted(inbox.items())})
+
+
+def save_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
+    """``writer._write_checkpoint``'s planning, step by step as the real code runs it
+    (``writer.plan_save``, then the finish), every rank simulated. The writer balance
+    is the largest writer's bytes over the mean writer's."""
+    ranks = list(layout.ranks)
+    coordinator = ranks[0]
+    policy = chunk_policy(recipe)
+    sim, clock = SimComm(ranks), RankClock()
+    outbox = exchange_to_owners(recipe, layout, clock, lambda r, infos: {
+        owner: (held_bytes(infos), mine) for owner, mine in route(infos, ranks).items()})
+    sim.exchange("plan", outbox)
+    replies: dict[int, dict[int, bytes]] = {}
+    owned: dict[int, list] = {}
+    entries: dict[str, Any] = {}
+    for owner, inbox in outbox.items():
+        received = receive(clock, owner, inbox)
+        mine, cells = clock.run(owner, lambda: write_plan.plan_tensors(
+            {r: m for r, (_, m) in received.items()}, policy))
+        entries.update(mine)
+        parts = clock.run(owner, lambda: comm.pickled(assignments(
+            mine, cells, coordinator, {r: t for r, (t, _) in received.items()})))
+        owned[owner] = clock.run(owner, lambda: file_units(mine, cells))
+        for rank, blob in parts.items():
+            replies.setdefault(rank, {})[owner] = blob
+    del outbox
+    sim.exchange("plan", replies)
+    writers: dict[tuple, int] = {}
+    wrote = 0
+    for rank in ranks:
+        parts = receive(clock, rank, replies.pop(rank, {}))
+        plan = clock.run(rank, lambda: merge(rank, parts.values(), owned.get(rank, ())))
+        writers.update({(u.key, u.box.offset): rank for u in plan.units})
+        wrote += bool(plan.units)
+    sim.all_reduce("finish", 16)
+    manifest_s, text = cpu(lambda: Manifest.build(
+        0, entries, wrote, {"layout": layout.to_dict()}).to_json())
+    sim.broadcast("finish", None)
+    whole = WritePlan(entries, [dataclasses.replace(u, writer=writers[u.key, u.box.offset])
+                                for units in owned.values() for u in units])
+    loads = whole.bytes_by_rank()
+    writers_bytes = [n for n in loads.values() if n]
+    return {"ranks": len(ranks), **clock.summary(), **sim.summary(),
+            "coordinator_manifest_s": manifest_s, "manifest_bytes": len(text),
+            "tensors": len(whole.entries), "files": len(whole.units) + len(whole.entries) + 2,
+            "writer_balance": max(writers_bytes) / statistics.mean(writers_bytes),
+            "bytes": sum(e.nbytes for e in whole.entries.values())}
+
+
+def load_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
+    """``reader._load``'s planning (``reader.plan_load``), then the agreement after the
+    reads, every rank simulated; ``SharedReads.build`` (views into the targets: meta
+    tensors here) on ``samples`` ranks."""
+    ranks = list(layout.ranks)
+    coordinator = ranks[0]
+    sim, clock = SimComm(ranks), RankClock()
+    step_dir = "/checkpoints/step_00000000"
+
+    def requests(rank: int, infos: list) -> dict[int, LoadRequest | str]:
+        out: dict[int, LoadRequest | str] = {
+            owner: LoadRequest(tuple(mine), page_cache(rank))
+            for owner, mine in route(infos, ranks).items()}
+        if rank == coordinator:
+            out = {r: dataclasses.replace(out[r], step_dir=step_dir) if r in out else step_dir
+                   for r in ranks}
+        return out
+
+    outbox = exchange_to_owners(recipe, layout, clock, requests)
+    sim.exchange("plan", outbox)
+    replies: dict[int, dict[int, bytes]] = {}
+    for owner, inbox in outbox.items():
+        received = receive(clock, owner, inbox)
+        pieces = clock.run(owner, lambda: comm.pickled(reader.plan_reads(
+            {r: q for r, q in received.items() if isinstance(q, LoadRequest)})))
+        for rank, blob in pieces.items():
+            replies.setdefault(rank, {})[owner] = blob
+    del outbox
+    sim.exchange("plan", replies)
+    built, read_bytes = {}, []
+    chosen = set(sample_ranks(ranks, samples))
+    for rank in ranks:
+        parts = receive(clock, rank, replies.get(rank, {}))
+        if rank not in chosen:
+            continue
+        targets = [LocalShard(i.key, i.global_shape, i.box.offset,
+                              torch.empty(i.box.shape, device="meta"))
+                   for i in layout_shard_infos(recipe.model, layout, rank)]
+        seconds, shared = cpu(lambda: reader.SharedReads.build(
+            rank, targets, [p for part in parts.values() for p in part]))
+        built[rank] = seconds
+        read_bytes.append(shared.read_bytes)
+    sim.all_reduce("agree", 8)
+    return {"ranks": len(ranks), **clock.summary(built), **sim.summary(),
+            "read_bytes_max_sampled": max(read_bytes)}
+
+
+def grad_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
+    """``grad_sync.Refinement.build`` and ``reduction_plan``: gather every rank's model
+    shards, their common refinement, the buckets of cells held in several pipelines."""
+    ranks = list(layout.ranks)
+    sim = SimComm(ranks)
+    payloads = pickled(recipe, layout, prefixes=("",))
+    sim.all_gather_sizes("gather shard boxes", {r: len(p) for r, p in payloads.items()})
+    pipeline_of = {r: layout.position(r).pipeline for r in ranks}
+    per_rank = []
+    for rank in sample_ranks(ranks, samples):
+        unpickle_s, gathered = cpu(lambda: {r: pickle.loads(p) for r, p in payloads.items()})
+        plan_s, buckets = cpu(lambda: reduction_plan(common_refinement(gathered), pipeline_of))
+        mine = sum(rank in holders for holders in buckets)
+        per_rank.append({"rank": rank, "unpickle_s": unpickle_s, "plan_s": plan_s,
+                         "total_s": unpickle_s + plan_s, "buckets": mine})
+        del gathered
+    return {"ranks": len(ranks), "per_rank": per_rank, **sim.summary(),
+            "plan_cpu_s_max": max(p["total_s"] for p in per_rank)}
+
+
+def planner_case(recipe: Recipe, world: int, lost: list[int]) -> tuple[dict, Layout | None]:
+    hardware = load_hardware(HARDWARE)
+    alive = [g for g in range(world) if g not in set(lost)]
+    try:
+        seconds, result = cpu(lambda: plan(recipe, hardware, alive))
+    except PlannerError as exc:
+        return {"error": str(exc)}, None
+    return {"cpu_s": seconds, "gpus_used": result.layout.num_gpus, "step_s": result.step_s,
+            "pipelines": len(result.layout.pipelines), "uniform": result.layout.is_uniform,
+            "layout": result.layout.describe()[:120]}, result.layout
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
+        only: set[str]) -> list[dict]:
+    rows = []
+    for name in models:
+        base = load_recipe(REPO / "recipes" / f"{name}.yaml")
+        for world in worlds:
+            built = uniform(base, world)
+            if built is None:
+                print(f"{name} @ {world}: no uniform layout ({UNIFORM[name]}) fits "
+                      f"{world} GPUs; skipped", flush=True)
+                rows.append({"model": name, "world": world, "skipped": "no uniform layout"})
+                continue
+            recipe, layout = built
+            row: dict[str, Any] = {"model": name, "world": world,
+                                   "uniform": layout.describe()[:80]}
+            if {"uniform", "save"} <= only:
+                row["save_uniform"] = save_case(recipe, layout, samples)
+                report(name, world, "save uniform", row["save_uniform"])
+            if {"uniform", "grad"} <= only:
+                row["grad_uniform"] = grad_case(recipe, layout, samples)
+                report(name, world, "grad uniform", row["grad_uniform"])
+            for k in lost:
+                dead = lost_gpus(world, k)
+                planned, hetero = planner_case(recipe, world, dead)
+                case = {"lost": k, "dead": dead, "planner": planned}
+                print(f"{name} @ {world} - {k}: planner {planned.get('cpu_s', -1):.3f} s "
+                      f"{planned.get('layout', planned.get('error'))}", flush=True)
+                if hetero is not None:
+                    if "save" in only:
+                        case["save"] = save_case(recipe, hetero, samples)
+                        report(name, world, f"save lost {k}", case["save"])
+                    if "load" in only:
+                        case["load"] = load_case(recipe, hetero, samples)
+                        report(name, world, f"load lost {k}", case["load"])
+                    if "grad" in only:
+                        case["grad"] = grad_case(recipe, hetero, samples)
+                        report(name, world, f"grad lost {k}", case["grad"])
+                row.setdefault("failures", []).append(case)
+            rows.append(row)
+            gc.collect()
+    return rows
+
+
+def report(model: str, world: int, what: str, case: dict) -> None:
+    extra = ""
+    if "manifest_bytes" in case:
+        extra = (f", manifest {case['manifest_bytes'] / 1e6:.2f} MB, {case['files']} files, "
+                 f"writer balance {case['writer_balance']:.2f}")
+    print(f"{model} @ {world} {what}: {case['ranks']} ranks, plan CPU "
+          f"{case['plan_cpu_s_max']:.3f} s/rank, exchanged "
+          f"{case['max_exchanged_bytes'] / 1e6:.2f} MB/rank, "
+          f"{case['job_wide_steps']} job-wide steps ({case['job_wide_calls']} calls){extra}",
+          flush=True)
+
+
+def _steps(case: dict) -> tuple[int, int]:
+    """(job-wide steps, calls); the tool's run of the code before the plan step
+    (``docs/bench_scale_before.json``, the tool of commit a532409) counted each
+    collective as both: each was a step of its own."""
+    old = case.get("job_wide_collectives")
+    return case.get("job_wide_steps", old), case.get("job_wide_calls", old)
+
+
+def markdown(rows: list[dict]) -> str:
+    """One table per model: a row per world and case (the uniform layout's save, then
+    each failure's save, load and planner)."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        out += [f"**{model}**", "",
+                "| GPUs | case | ranks | save CPU s/rank | save MB/rank | save steps (calls) "
+                "| load CPU s/rank | load MB/rank | load steps (calls) | manifest MB | files "
+                "| writer max/mean | planner s |",
+                "| " + " | ".join(["---"] * 13) + " |"]
+        for row in (r for r in rows if r["model"] == model):
+            if "skipped" in row:
+                out.append(f"| {row['world']:,} | {row['skipped']} |" + " |" * 11)
+                continue
+            cases = [("uniform", row["save_uniform"], None, None)] if "save_uniform" in row else []
+            cases += [(f"lost {f['lost']}", f.get("save"), f.get("load"), f["planner"])
+                      for f in row.get("failures", [])]
+            for name, save, load, planner in cases:
+                cells = [f"{row['world']:,}", name]
+                cells.append(str((save or load or {}).get("ranks", "")))
+                for case in (save, load):
+                    cells += ([f"{case['plan_cpu_s_max']:.3f}",
+                               f"{case['max_exchanged_bytes'] / 1e6:.2f}",
+                               "{} ({})".format(*_steps(case))]
+                              if case else ["", "", ""])
+                cells += ([f"{save['manifest_bytes'] / 1e6:.2f}", f"{save['files']:,}",
+                           f"{save['writer_balance']:.2f}"] if save else ["", "", ""])
+                cells.append("" if planner is None else
+                             f"{planner['cpu_s']:.3f}" if "cpu_s" in planner else "no layout")
+                out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def planner_markdown(rows: list[dict]) -> str:
+    """The planner's search per model, world and failure: its CPU time, the GPUs its
+    layout uses and the step the cost model predicts for it."""
+    out = ["| model | GPUs | lost | planner s | GPUs used | pipelines | predicted step s |",
+           "| " + " | ".join(["---"] * 7) + " |"]
+    for row in rows:
+        for failure in row.get("failures", []):
+            planner = failure["planner"]
+            cells = [row["model"], f"{row['world']:,}", str(failure["lost"])]
+            cells += ([f"{planner['cpu_s']:.3f}", f"{planner['gpus_used']:,}",
+                       str(planner["pipelines"]),
+                       f"{planner['step_s']:.2f}" if "step_s" in planner else ""]
+                      if "cpu_s" in planner else ["no layout", "", "", ""])
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def curve_markdown(model: str, lost: int, runs: dict[str, list[dict]]) -> str:
+    """Per-rank plan CPU and bytes of ``model``'s save and load after losing ``lost``
+    GPUs, per world, for each run (``runs``: a label and its rows), and each figure's
+    growth from the smallest world to the largest that both have."""
+    header = ["GPUs"] + [f"{label} {what}" for label in runs
+                         for what in ("save CPU s", "save MB", "load CPU s", "load MB")]
+    figures: dict[int, list[float | None]] = {}
+    for i, rows in enumerate(runs.values()):
+        for row in rows:
+            if row["model"] != model:
+                continue
+            case = next((f for f in row.get("failures", []) if f["lost"] == lost), {})
+            cells = figures.setdefault(row["world"], [None] * 4 * len(runs))
+            for j, kind in enumerate(("save", "load")):
+                if kind in case:
+                    cells[4 * i + 2 * j] = case[kind]["plan_cpu_s_max"]
+                    cells[4 * i + 2 * j + 1] = case[kind]["max_exchanged_bytes"] / 1e6
+    worlds = sorted(w for w, cells in figures.items() if any(c is not None for c in cells))
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] * len(header)) + " |"]
+    for world in worlds:
+        out.append("| " + " | ".join([f"{world:,}"] + [
+            "" if c is None else f"{c:.3f}" if k % 2 == 0 else f"{c:.2f}"
+            for k, c in enumerate(figures[world])]) + " |")
+    if len(worlds) > 1:
+        first, last = figures[worlds[0]], figures[worlds[-1]]
+        out.append("| " + " | ".join([f"growth {worlds[0]:,} -> {worlds[-1]:,}"] + [
+            "" if a is None or b is None else f"{b / a:.1f}x" for a, b in zip(first, last)])
+            + " |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="llama3-8b,llama3-70b,llama3-405b")
+    parser.add_argument("--worlds", default="64,512,4096,16384")
+    parser.add_argument("--lost", default="1,8,64")
+    parser.add_argument("--samples", type=int, default=3)
+    parser.add_argument("--only", default="uniform,save,load,grad",
+                        help="which plans to run (the planner always runs): the save, "
+                             "load and grad cases of each failure layout, and with "
+                             "'uniform' the uniform layout's save and grad")
+    parser.add_argument("--out", default="bench_scale.json")
+    parser.add_argument("--table", nargs="+", metavar="JSON",
+                        help="print the tables of earlier runs' JSON files and exit")
+    parser.add_argument("--planner-table", nargs="+", metavar="JSON",
+                        help="print the planner's table of earlier runs and exit")
+    parser.add_argument("--curve", nargs=2, metavar=("MODEL", "LOST"),
+                        help="with --table: MODEL's save and load after LOST lost GPUs "
+                             "per world, a column group per JSON file, and the growth")
+    args = parser.parse_args()
+    if args.planner_table:
+        print(planner_markdown([r for path in args.planner_table
+                                for r in json.loads(Path(path).read_text())["rows"]]))
+        return 0
+    if args.table:
+        runs = {Path(path).stem: json.loads(Path(path).read_text())["rows"]
+                for path in args.table}
+        print(curve_markdown(args.curve[0], int(args.curve[1]), runs) if args.curve
+              else markdown([r for rows in runs.values() for r in rows]))
+        return 0
+    gc.disable()
+    rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],
+               [int(k) for k in args.lost.split(",")], args.samples,
+               set(args.only.split(",")))
+    Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
+    print(f"written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
