@@ -9,6 +9,7 @@ Linux this is a no-op (logged once).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -43,3 +44,15 @@ def parent_death_preexec(sig: int = signal.SIGTERM):
         if sys.platform.startswith("linux"):
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     return preexec
+
+
+def signal_rank(pid: int, sig: int) -> None:
+    """Send ``sig`` to a rank that leads a session of its own (a fork of the zygote) and
+    to its process group (its own children: a shell's or torchrun's stop reaches them
+    too). A rank that has not called ``setsid`` yet gets it alone; one already gone,
+    nothing."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)

@@ -21,15 +21,17 @@ It imports no torch and only starts the rank (``MODULE`` with its ``ARGS``) and 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
 import signal
 import socket
 import sys
+import threading
 import time
 
-from elastor_mcore.compat.process import die_with_parent
+from elastor_mcore.compat.process import die_with_parent, signal_rank
 from elastor_mcore.elastic.protocol import ZYGOTE_ENV
 
 ZYGOTE_WAIT_S = 120.0
@@ -50,9 +52,20 @@ def run_child(module: str, args: list[str]) -> None:
         import traceback
         traceback.print_exc()
         code = 1
+    finish()
+    os._exit(code)
+
+
+def finish() -> None:
+    """What the interpreter does at exit and ``os._exit`` skips: wait for the non-daemon
+    threads, run the exit handlers (multiprocessing's stops the rank's own children,
+    which would otherwise outlive it holding its stdout), flush."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
 
 
 def exit_code(status: int, in_place: bool) -> int:
@@ -105,10 +118,7 @@ def from_zygote(conn: socket.socket, module: str, args: list[str]) -> int:
     pid = next(answers)
 
     def forward(signum, _frame) -> None:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
+        signal_rank(pid, signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
