@@ -21,7 +21,7 @@ from elastor_mcore.elastic.rank.keeper import exit_code
 from tests.conftest import REPO
 
 RANK = """
-import multiprocessing, os, sys, time
+import concurrent.futures, multiprocessing, os, sys, time
 if __name__ == "__main__":  # not in a multiprocessing child, which imports this module
     print("rank", os.getpid(), sys.argv[1:], os.environ.get("WHO"), os.getcwd(),
           "torch" in sys.modules, flush=True)
@@ -36,6 +36,8 @@ if __name__ == "__main__":  # not in a multiprocessing child, which imports this
         time.sleep(60)
     if sys.argv[1] == "signal":
         os.kill(os.getpid(), 9)
+    if sys.argv[1] == "pool":  # left running: its idle workers end at exit
+        concurrent.futures.ThreadPoolExecutor(2).submit(time.sleep, 0.1).result()
     sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
 """
 
@@ -102,7 +104,9 @@ def test_a_ranks_own_children_end_with_it(zygote, tmp_path):
     """A rank that started a daemon multiprocessing child (as Megatron's checkpointing
     does) and returns ends it as a ``python -m`` process's exit would, so no orphan
     holds the keeper's output (torchrun's, the launcher's) open; a killed keeper's rank
-    takes its children along."""
+    takes its children along; a thread pool left running does not keep a rank from
+    ending (its idle workers are told to stop before threads are joined)."""
+    assert keeper(tmp_path, zygote, "probe_rank", "pool").returncode == 0
     pid_file = tmp_path / "rank.pid"
     proc = keeper(tmp_path, zygote, "probe_rank", "child", str(pid_file), wait=False)
     _, child = written_pids(pid_file, proc)

@@ -9,12 +9,14 @@ Linux this is a no-op (logged once).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
 import os
 import signal
 import sys
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +58,16 @@ def signal_rank(pid: int, sig: int) -> None:
     except ProcessLookupError:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+def finish_as_python_does() -> None:
+    """What Python does when a program ends, for a process that must then leave by
+    ``os._exit`` (a fork of the pre-imported worker, inside that worker's call stack):
+    threading's shutdown (its exit callbacks, which stop thread pools' workers, then a
+    join of the non-daemon threads), the ``atexit`` handlers (multiprocessing's stops
+    the process's own children), a flush. ``threading._shutdown`` is what the
+    interpreter itself calls; there is no public equivalent."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()

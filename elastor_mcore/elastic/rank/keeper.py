@@ -21,17 +21,15 @@ It imports no torch and only starts the rank (``MODULE`` with its ``ARGS``) and 
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import runpy
 import signal
 import socket
 import sys
-import threading
 import time
 
-from elastor_mcore.compat.process import die_with_parent, signal_rank
+from elastor_mcore.compat.process import die_with_parent, finish_as_python_does, signal_rank
 from elastor_mcore.elastic.protocol import ZYGOTE_ENV
 
 ZYGOTE_WAIT_S = 120.0
@@ -52,20 +50,8 @@ def run_child(module: str, args: list[str]) -> None:
         import traceback
         traceback.print_exc()
         code = 1
-    finish()
+    finish_as_python_does()  # multiprocessing's exit handler stops the rank's children
     os._exit(code)
-
-
-def finish() -> None:
-    """What the interpreter does at exit and ``os._exit`` skips: wait for the non-daemon
-    threads, run the exit handlers (multiprocessing's stops the rank's own children,
-    which would otherwise outlive it holding its stdout), flush."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
 
 
 def exit_code(status: int, in_place: bool) -> int:

@@ -15,8 +15,8 @@ would. The zygote answers with the child's pid and, when the child ends, its wai
 status. The child's life is tied to the client's: if the client's connection closes
 first (the keeper was killed), the zygote SIGKILLs the child's process group (the
 rank's own children too); if the zygote dies, its children get SIGKILL
-(``compat.process``). The child ends as ``python -m`` would (``keeper.finish``: its
-threads joined, its exit handlers run).
+(``compat.process``). The child ends as ``python -m`` would
+(``compat.process.finish_as_python_does``).
 
 One thread (a selector over the socket, the clients and a self-pipe for ``SIGCHLD``):
 nothing else runs when it forks.
