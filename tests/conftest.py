@@ -36,15 +36,14 @@ def pytest_configure(config):
 
 @functools.cache
 def shared_world_of(module_path: Path) -> str | None:
-    """The first of ``SHARED_WORLDS`` that a test module's functions (tests, fixtures,
-    ``train_world_part``) name, read from its source: xdist's controller schedules by
-    node id, without collecting."""
+    """The first of ``SHARED_WORLDS`` that a test module's functions (tests, fixtures)
+    take, read from its source: xdist's controller schedules by node id, without
+    collecting."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(module_path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             names.add(node.name)
             names.update(a.arg for a in (*node.args.args, *node.args.kwonlyargs))
-    names |= {"train_world"} if "train_world_part" in names else set()
     return next((world for world in SHARED_WORLDS if world in names), None)
 
 
