@@ -57,12 +57,12 @@ from elastor_mcore.checkpoint import plan as write_plan  # noqa: E402
 from elastor_mcore.checkpoint import reader  # noqa: E402
 from elastor_mcore.checkpoint.format import Manifest  # noqa: E402
 from elastor_mcore.checkpoint.plan import (  # noqa: E402
-    LocalShard, WritePlan, assignments, file_units, held_bytes, merge, route)
+    NO_REPLICAS, LocalShard, Replicas, WritePlan, held_bytes, merge, plan_owned, route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
 from elastor_mcore.geometry import common_refinement  # noqa: E402
 from elastor_mcore.parallel.layout import Layout, layout_from_dict  # noqa: E402
-from elastor_mcore.parallel.shards import layout_shard_infos  # noqa: E402
+from elastor_mcore.parallel.shards import layout_shard_infos, replica_classes  # noqa: E402
 from elastor_mcore.planner import PlannerError, load_hardware, plan  # noqa: E402
 from elastor_mcore.runtime.grad_sync import reduction_plan  # noqa: E402
 from elastor_mcore.runtime.state import chunk_policy  # noqa: E402
@@ -272,37 +272,39 @@ def receive(clock: RankClock, rank: int, inbox: dict[int, bytes]) -> dict[int, A
     return clock.run(rank, lambda: {s: pickle.loads(b) for s, b in sorted(inbox.items())})
 
 
-def save_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
+def save_case(recipe: Recipe, layout: Layout, samples: int,
+              replicas: Replicas = NO_REPLICAS) -> dict[str, Any]:
     """``writer._write_checkpoint``'s planning, step by step as the real code runs it
     (``writer.plan_save``, then the finish), every rank simulated. The writer balance
     is the largest writer's bytes over the mean writer's."""
     ranks = list(layout.ranks)
-    coordinator = ranks[0]
     policy = chunk_policy(recipe)
     sim, clock = SimComm(ranks), RankClock()
     outbox = exchange_to_owners(recipe, layout, clock, lambda r, infos: {
-        owner: (held_bytes(infos), mine) for owner, mine in route(infos, ranks).items()})
+        owner: (held_bytes(infos), mine)
+        for owner, mine in route(infos, ranks, replicas.sends(r), replicas.columns).items()})
     sim.exchange("plan", outbox)
     replies: dict[int, dict[int, bytes]] = {}
     owned: dict[int, list] = {}
     entries: dict[str, Any] = {}
     for owner, inbox in outbox.items():
         received = receive(clock, owner, inbox)
-        mine, cells = clock.run(owner, lambda: write_plan.plan_tensors(
-            {r: m for r, (_, m) in received.items()}, policy))
-        entries.update(mine)
-        parts = clock.run(owner, lambda: comm.pickled(assignments(
-            mine, cells, coordinator, {r: t for r, (t, _) in received.items()})))
-        owned[owner] = clock.run(owner, lambda: file_units(mine, cells))
-        for rank, blob in parts.items():
+        parts, owned[owner] = clock.run(owner, lambda: plan_owned(
+            received, ranks, ranks.index(owner), policy, replicas))
+        for rank, blob in clock.run(owner, lambda: comm.pickled(parts)).items():
             replies.setdefault(rank, {})[owner] = blob
+        for part in parts.values():
+            entries.update(part.entries)
     del outbox
     sim.exchange("plan", replies)
     writers: dict[tuple, int] = {}
     wrote = 0
     for rank in ranks:
         parts = receive(clock, rank, replies.pop(rank, {}))
-        plan = clock.run(rank, lambda: merge(rank, parts.values(), owned.get(rank, ())))
+        infos = layout_shard_infos(recipe.model, layout, rank)
+        plan = clock.run(rank, lambda: merge(rank, parts.values(), owned.get(rank, ()),
+                                             replicas, infos))
+        assert plan.mismatch is None, (rank, plan.mismatch)
         writers.update({(u.key, u.box.offset): rank for u in plan.units})
         wrote += bool(plan.units)
     sim.all_reduce("finish", 16)
@@ -314,13 +316,14 @@ def save_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
     loads = whole.bytes_by_rank()
     writers_bytes = [n for n in loads.values() if n]
     return {"ranks": len(ranks), **clock.summary(), **sim.summary(),
-            "coordinator_manifest_s": manifest_s, "manifest_bytes": len(text),
+            "columns": replicas.columns, "coordinator_manifest_s": manifest_s, "manifest_bytes": len(text),
             "tensors": len(whole.entries), "files": len(whole.units) + len(whole.entries) + 2,
             "writer_balance": max(writers_bytes) / statistics.mean(writers_bytes),
             "bytes": sum(e.nbytes for e in whole.entries.values())}
 
 
-def load_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
+def load_case(recipe: Recipe, layout: Layout, samples: int,
+              replicas: Replicas = NO_REPLICAS) -> dict[str, Any]:
     """``reader._load``'s planning (``reader.plan_load``), then the agreement after the
     reads, every rank simulated; ``SharedReads.build`` (views into the targets: meta
     tensors here) on ``samples`` ranks."""
@@ -330,9 +333,10 @@ def load_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
     step_dir = "/checkpoints/step_00000000"
 
     def requests(rank: int, infos: list) -> dict[int, LoadRequest | str]:
+        column = replicas.of(rank)[1] % replicas.columns
         out: dict[int, LoadRequest | str] = {
             owner: LoadRequest(tuple(mine), page_cache(rank))
-            for owner, mine in route(infos, ranks).items()}
+            for owner, mine in route(infos, ranks, (column,), replicas.columns).items()}
         if rank == coordinator:
             out = {r: dataclasses.replace(out[r], step_dir=step_dir) if r in out else step_dir
                    for r in ranks}
@@ -364,6 +368,7 @@ def load_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
         read_bytes.append(shared.read_bytes)
     sim.all_reduce("agree", 8)
     return {"ranks": len(ranks), **clock.summary(built), **sim.summary(),
+            "columns": replicas.columns,
             "read_bytes_max_sampled": max(read_bytes)}
 
 
@@ -402,8 +407,18 @@ def planner_case(recipe: Recipe, world: int, lost: list[int]) -> tuple[dict, Lay
 # --------------------------------------------------------------------------- driver
 
 
+def replicas_of(layout: Layout, replicated: bool) -> Replicas:
+    """The layout's replica classes (``parallel.shards.replica_classes``), as every
+    rank builds them once per layout (not per save or load), indexed; or none."""
+    if not replicated:
+        return NO_REPLICAS
+    replicas = Replicas(replica_classes(layout))
+    replicas.of(layout.ranks[0])
+    return replicas
+
+
 def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
-        only: set[str]) -> list[dict]:
+        only: set[str], replicated: bool = True) -> list[dict]:
     rows = []
     for name in models:
         base = load_recipe(REPO / "recipes" / f"{name}.yaml")
@@ -418,7 +433,8 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
             row: dict[str, Any] = {"model": name, "world": world,
                                    "uniform": layout.describe()[:80]}
             if {"uniform", "save"} <= only:
-                row["save_uniform"] = save_case(recipe, layout, samples)
+                row["save_uniform"] = save_case(recipe, layout, samples,
+                                                replicas_of(layout, replicated))
                 report(name, world, "save uniform", row["save_uniform"])
             if {"uniform", "grad"} <= only:
                 row["grad_uniform"] = grad_case(recipe, layout, samples)
@@ -430,11 +446,13 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                 print(f"{name} @ {world} - {k}: planner {planned.get('cpu_s', -1):.3f} s "
                       f"{planned.get('layout', planned.get('error'))}", flush=True)
                 if hetero is not None:
+                    replicas_s, replicas = cpu(lambda: replicas_of(hetero, replicated))
+                    case["replicas_s"] = replicas_s
                     if "save" in only:
-                        case["save"] = save_case(recipe, hetero, samples)
+                        case["save"] = save_case(recipe, hetero, samples, replicas)
                         report(name, world, f"save lost {k}", case["save"])
                     if "load" in only:
-                        case["load"] = load_case(recipe, hetero, samples)
+                        case["load"] = load_case(recipe, hetero, samples, replicas)
                         report(name, world, f"load lost {k}", case["load"])
                     if "grad" in only:
                         case["grad"] = grad_case(recipe, hetero, samples)
@@ -558,6 +576,9 @@ def main() -> int:
                              "load and grad cases of each failure layout, and with "
                              "'uniform' the uniform layout's save and grad")
     parser.add_argument("--out", default="bench_scale.json")
+    parser.add_argument("--no-replicas", action="store_true",
+                        help="plan as without the layout's replica classes (one owner per "
+                             "tensor hearing from every holder)")
     parser.add_argument("--table", nargs="+", metavar="JSON",
                         help="print the tables of earlier runs' JSON files and exit")
     parser.add_argument("--planner-table", nargs="+", metavar="JSON",
@@ -579,7 +600,7 @@ def main() -> int:
     gc.disable()
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],
                [int(k) for k in args.lost.split(",")], args.samples,
-               set(args.only.split(",")))
+               set(args.only.split(",")), not args.no_replicas)
     Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
     print(f"written {args.out}")
     return 0

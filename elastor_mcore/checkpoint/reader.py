@@ -26,7 +26,8 @@ from elastor_mcore.checkpoint import comm, fast_read
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
-from elastor_mcore.checkpoint.plan import LocalShard, WriteUnit, assign_writers, route
+from elastor_mcore.checkpoint.plan import (
+    NO_REPLICAS, LocalShard, Replicas, WriteUnit, assign_writers, route)
 from elastor_mcore.checkpoint.storage import Location, as_path, retrying, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import Box, ShardInfo, common_refinement, local_view
@@ -72,19 +73,22 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
 
 
 def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
-         group=None) -> Manifest:
+         group=None, replicas: Replicas = NO_REPLICAS) -> Manifest:
     """Fill every target's ``data`` in place with the checkpoint's bytes for its box.
 
     Called by every rank of ``group`` (default: the world). With a root directory,
     rank 0 of the group picks the step so all ranks read the same one. Bytes that
     several ranks need (data-parallel replicas, TP replicas of norms) are read from
-    storage by one of them and sent to those on other hosts (``SharedReads``).
+    storage by one of them and sent to those on other hosts (``SharedReads``); with
+    ``replicas`` (which ranks hold the same shards, ``plan.Replicas``), within each of
+    its columns (``plan_load``).
     """
     with gc_paused():
-        return _load(path_or_root, targets, group)
+        return _load(path_or_root, targets, group, replicas)
 
 
-def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group) -> Manifest:
+def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
+          replicas: Replicas) -> Manifest:
     """Two job-wide steps: **plan** (the step directory, and every rank's targets to the
     owners of their tensors, who send each holder its reads; ``plan_load``), then the
     reads, then **agree** on every rank's errors; then the shared reads' messages."""
@@ -101,8 +105,12 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group)
     # Without local files there is no page cache to share: every rank is its own.
     cache = (page_cache_id() if storage_for(as_path(path_or_root)).local_files
              else f"rank {ranks.rank}")
+    try:
+        replicas.check(ranks.ranks)
+    except CheckpointError as exc:
+        error = error or exc
     step_dir, shared = plan_load(ranks, targets, cache, step_dir, what, error,
-                                 shares=_carries_cpu(group))
+                                 shares=_carries_cpu(group), replicas=replicas)
     step_dir = as_path(step_dir)
 
     error, manifest = None, None
@@ -166,16 +174,24 @@ def plan_reads(requests: dict[int, LoadRequest]) -> dict[int, list[ReadPiece]]:
 
 def plan_load(ranks: comm.Comm, targets: Sequence[LocalShard], cache: str,
               step_dir: str | None, what: str, error: BaseException | None = None,
-              shares: bool = True) -> tuple[str, "SharedReads"]:
+              shares: bool = True,
+              replicas: Replicas = NO_REPLICAS) -> tuple[str, "SharedReads"]:
     """The plan step of a load: the coordinator's ``step_dir`` to every rank, and, where
     the group carries the bytes (``shares``), every rank's targets to the owners of
     their tensors and each holder's pieces back (two sparse exchanges). Without
-    ``shares`` each rank plans its own targets alone."""
+    ``shares`` each rank plans its own targets alone.
+
+    With ``replicas`` the member ``i`` of a class sends its targets to the owners of
+    column ``i % columns``, who plan the reads of the ranks that sent them: storage
+    serves each byte once per column, and a reader sends what it read to the few
+    holders of its column on other hosts, not to every replica of the job. Any
+    split into columns is correct: each rank is planned from its own targets."""
     infos = [t.info() for t in targets]
     outgoing: dict[int, LoadRequest | str] = {}
     if shares:
-        outgoing = {owner: LoadRequest(tuple(mine), cache)
-                    for owner, mine in route(infos, ranks.ranks).items()}
+        column = replicas.of(ranks.rank)[1] % replicas.columns
+        outgoing = {owner: LoadRequest(tuple(mine), cache) for owner, mine in route(
+            infos, ranks.ranks, (column,), replicas.columns).items()}
     if ranks.is_coordinator:  # the bare path where there is nothing else to send
         outgoing = {rank: dataclasses.replace(outgoing[rank], step_dir=step_dir)
                     if rank in outgoing else step_dir for rank in ranks.ranks}

@@ -24,7 +24,7 @@ from elastor_mcore import checkpoint, planner
 from elastor_mcore.runtime.state import (
     check_lr_schedule, check_resumable, chunk_policy, data_fields, describe_load,
     ensure_optimizer_state, manifest_fields, restore_non_tensor_state, set_position,
-    state_shards)
+    state_replicas, state_shards)
 from elastor_mcore.config.data import DataConfig
 from elastor_mcore.config.run import RunSettings
 from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_sample_indices,
@@ -296,7 +296,8 @@ def resume(runner: StageRunner, load_dir: str, seed: int, data: DataConfig | Non
     check_resumable(manifest, runner.recipe, seed, data, allow_data_change)
     check_lr_schedule(manifest, runner.optimizer)
     checkpoint.load(path, state_shards(runner.model, runner.optimizer),
-                    group=runner.groups.active)
+                    group=runner.groups.active,
+                    replicas=state_replicas(runner.groups.layout, runner.optimizer))
     runner.optimizer.copy_main_to_model()
     restore_non_tensor_state(manifest, runner.optimizer)
     log.info(describe_load(path, manifest, runner.groups.layout))
@@ -305,8 +306,9 @@ def resume(runner: StageRunner, load_dir: str, seed: int, data: DataConfig | Non
 
 def checkpoint_manager(runner: StageRunner, cfg: RunConfig) -> checkpoint.CheckpointManager:
     policy = checkpoint.SavePolicy(**asdict(cfg.settings.saving))
-    return checkpoint.CheckpointManager(cfg.settings.save_dir, group=runner.groups.active,
-                                        chunking=chunk_policy(cfg.recipe), policy=policy)
+    return checkpoint.CheckpointManager(
+        cfg.settings.save_dir, group=runner.groups.active, chunking=chunk_policy(cfg.recipe),
+        policy=policy, replicas=state_replicas(runner.groups.layout, runner.optimizer))
 
 
 def save(runner: StageRunner, cfg: RunConfig, saver: checkpoint.CheckpointManager,
