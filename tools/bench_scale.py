@@ -137,10 +137,10 @@ class SimComm:
 
     def exchange(self, step: str, outbox: dict[int, dict[int, bytes]]) -> None:
         """``comm.Comm.exchange``: ``outbox[dest][sender]`` pickled messages (a rank's
-        message to itself is not sent). Two ``all_to_all_single`` calls: the sizes (8
+        message to itself is not sent). Two ``all_to_all_single`` calls: the sizes (4
         bytes to every rank), then the messages."""
         n = len(self.ranks)
-        sizes = dict.fromkeys(self.ranks, 8 * (n - 1))
+        sizes = dict.fromkeys(self.ranks, 4 * (n - 1))
         self._count(step, "all_to_all_single (sizes)", sizes, sizes)
         sent = dict.fromkeys(self.ranks, 0)
         received = dict.fromkeys(self.ranks, 0)

@@ -541,12 +541,10 @@ def merge(rank: int, parts: Iterable[Assignment], owned: Sequence[WriteUnit] = (
         entries.update(part.entries)
         cells.extend(part.held)
     index = replicas.of(rank)[1]
-    if index:
-        cells = [dataclasses.replace(c, position=c.position + index) for c in cells]
     held = files_of(cells, entries)
     units = sorted((WriteUnit(h.key, h.box, (), h.nbytes, rank)
                     for h, position in zip(held, writer_positions(held))
-                    if position == h.position), key=lambda u: (u.key, u.box.offset))
+                    if position == h.position + index), key=lambda u: (u.key, u.box.offset))
     plan = WritePlan(dict(sorted(entries.items())), units, owned=tuple(owned))
     plan.creates = tuple(sorted(metadata_creators(plan)))
     if infos is not None:
