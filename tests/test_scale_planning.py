@@ -36,7 +36,8 @@ from elastor_mcore.checkpoint.format import ChunkPolicy, choose_entry
 from elastor_mcore.checkpoint.format import CheckpointError
 from elastor_mcore.checkpoint.plan import (
     NO_REPLICAS, Replicas, build_plan, held_bytes, merge, plan_owned, route)
-from elastor_mcore.checkpoint.reader import LoadRequest, plan_reads
+from elastor_mcore.checkpoint.reader import (
+    LoadRequest, plan_reads, relay_block, replies, to_relays)
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.geometry import boundaries, common_refinement
 from elastor_mcore.parallel.layout import layout_from_dict
@@ -258,8 +259,8 @@ def test_load_pieces_are_the_whole_job_cells(seed):
 
 
 def test_an_object_sent_to_every_rank_is_pickled_once():
-    """The coordinator of a load sends its step directory to every rank of the job:
-    one pickle, however many ranks (``comm.pickled``), each message still its own."""
+    """A relay of a load's step directory sends it to every rank of its block: one
+    pickle, however many ranks (``comm.pickled``), each message still its own."""
     step_dir, request = "/checkpoints/step_00000010", LoadRequest((), "node0")
     messages = comm.pickled({**dict.fromkeys(range(1, 1000), step_dir), 0: request})
     assert len({id(blob) for blob in messages.values()}) == 2
@@ -355,3 +356,28 @@ def test_load_with_replicas_plans_each_column_alone(seed):
                          for p in pieces.get(rank, []))
             assert got == sorted((c.key, c.box.offset, c.box.shape, True)
                                  for c in cells if rank in c.holders), (seed, rank)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 10, 17, 1000, 16016])
+def test_the_step_directory_reaches_every_rank_through_relays(count):
+    """The coordinator sends the step directory to the first rank of each block, which
+    sends it to the rest of its block (``reader.plan_load``): every rank gets it, and
+    no rank sends more than a block's worth of messages (about sqrt(count))."""
+    ranks = random.Random(count).sample(range(3 * count), count)
+    step_dir = "/checkpoints/step_00000007"
+    first = to_relays({}, ranks, step_dir)
+    block = relay_block(count)
+    assert block * block >= count and (block - 1) ** 2 < count
+    assert len(first) <= block
+    second: dict[int, dict] = {}
+    for position, rank in enumerate(ranks):
+        known = first[rank] if rank in first else None
+        assert (known is not None) == (position % block == 0), (count, position)
+        out = replies({}, ranks, position, known)
+        assert len(out) < block
+        for dest, message in out.items():
+            second.setdefault(dest, {})[rank] = message
+    for position, rank in enumerate(ranks):
+        if position % block:
+            relay = ranks[position - position % block]
+            assert second[rank][relay][1] == step_dir, (count, position)

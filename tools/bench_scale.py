@@ -337,18 +337,16 @@ def load_case(recipe: Recipe, layout: Layout, samples: int,
         out: dict[int, LoadRequest | str] = {
             owner: LoadRequest(tuple(mine), page_cache(rank))
             for owner, mine in route(infos, ranks, (column,), replicas.columns).items()}
-        if rank == coordinator:
-            out = {r: dataclasses.replace(out[r], step_dir=step_dir) if r in out else step_dir
-                   for r in ranks}
-        return out
+        return reader.to_relays(out, ranks, step_dir) if rank == coordinator else out
 
     outbox = exchange_to_owners(recipe, layout, clock, requests)
     sim.exchange("plan", outbox)
     replies: dict[int, dict[int, bytes]] = {}
     for owner, inbox in outbox.items():
         received = receive(clock, owner, inbox)
-        pieces = clock.run(owner, lambda: comm.pickled(reader.plan_reads(
-            {r: q for r, q in received.items() if isinstance(q, LoadRequest)})))
+        pieces = clock.run(owner, lambda: comm.pickled(reader.replies(reader.plan_reads(
+            {r: q for r, q in received.items() if isinstance(q, LoadRequest)}), ranks,
+            ranks.index(owner), step_dir)))
         for rank, blob in pieces.items():
             replies.setdefault(rank, {})[owner] = blob
     del outbox
@@ -363,7 +361,7 @@ def load_case(recipe: Recipe, layout: Layout, samples: int,
                               torch.empty(i.box.shape, device="meta"))
                    for i in layout_shard_infos(recipe.model, layout, rank)]
         seconds, shared = cpu(lambda: reader.SharedReads.build(
-            rank, targets, [p for part in parts.values() for p in part]))
+            rank, targets, [p for part, _ in parts.values() for p in part]))
         built[rank] = seconds
         read_bytes.append(shared.read_bytes)
     sim.all_reduce("agree", 8)
