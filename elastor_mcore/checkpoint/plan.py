@@ -227,16 +227,19 @@ NO_REPLICAS = Replicas()
 
 
 def owner_of(key: str, ranks: Sequence[int], column: int = 0, columns: int = 1) -> int:
-    """The rank of ``ranks`` that plans column ``column`` of tensor ``key``: spread by a
-    hash of the key, so a job's tensors spread over its ranks and each rank owns few;
-    the columns of one tensor on ranks ``len(ranks) // columns`` apart."""
-    return ranks[(_key_hash(key) + column * max(1, len(ranks) // columns)) % len(ranks)]
+    """The rank of ``ranks`` that plans column ``column`` of tensor ``key``: column
+    ``j`` of every tensor is planned in the ``j``-th of ``columns`` slices of
+    ``ranks``, spread over it by a hash of the key, so a job's tensors spread over its
+    ranks and each rank owns few, and the coordinator hears the entries (column 0)
+    from one slice's ranks, not from as many ranks as there are tensors."""
+    width = max(1, len(ranks) // columns)
+    return ranks[column * width + _key_hash(key) % width]
 
 
-def column_of(key: str, position: int, count: int, columns: int) -> int:
-    """The column of ``key`` that the rank at ``position`` of ``count`` ranks owns
+def column_of(position: int, count: int, columns: int) -> int:
+    """The column that the rank at ``position`` of ``count`` ranks owns tensors of
     (``owner_of`` backwards)."""
-    return ((position - _key_hash(key)) % count) // max(1, count // columns)
+    return position // max(1, count // columns)
 
 
 def route(infos: Iterable[ShardInfo], ranks: Sequence[int], columns: Iterable[int] = (0,),
@@ -448,27 +451,23 @@ class Assignment:
 
 def assignments(entries: dict[str, TensorEntry], cells: Sequence[Cell],
                 coordinator: int, totals: dict[int, int], replicas: Replicas = NO_REPLICAS,
-                columns: dict[str, int] | None = None) -> dict[int, Assignment]:
-    """An owner's plan (``plan_tensors``, from one member of each class) cut into each
-    holder's part: one per class and column (``columns``: the column of each tensor
-    this owner plans, 0 where absent), told to the members that hear from that column
-    (``Replicas.told``), the same object for all of them (pickled once); ``totals``:
-    what each sender holds in all (it sent ``held_bytes`` with its shards). The
-    coordinator gets the entries of the tensors of column 0, for the manifest."""
-    column = columns or {}
-    bundles: dict[tuple[tuple[int, ...], int], list[Held]] = {}
+                column: int = 0) -> dict[int, Assignment]:
+    """An owner's plan of column ``column`` of its tensors (``plan_tensors``, from one
+    member of each class) cut into each holder's part: one per class, told to the
+    members that hear from that column (``Replicas.told``), the same object for all
+    of them (pickled once); ``totals``: what each sender holds in all (it sent
+    ``held_bytes`` with its shards). The coordinator gets the entries of column 0,
+    for the manifest."""
+    bundles: dict[tuple[int, ...], list[Held]] = {}
     for sender, held in held_cells(cells, totals, replicas).items():
-        members = replicas.of(sender)[0]
-        for cell in held:
-            bundles.setdefault((members, column.get(cell.key, 0)), []).append(cell)
+        bundles.setdefault(replicas.of(sender)[0], []).extend(held)
     out: dict[int, Assignment] = {}
-    for (members, at), held in sorted(bundles.items()):
+    for members, held in sorted(bundles.items()):
         part = Assignment({k: entries[k] for k in sorted({c.key for c in held})}, tuple(held))
-        out.update(dict.fromkeys(replicas.told(members, at), part))
-    first = {key: entry for key, entry in entries.items() if column.get(key, 0) == 0}
-    if first:
+        out.update(dict.fromkeys(replicas.told(members, column), part))
+    if entries and not column:
         mine = out.get(coordinator, Assignment({}))
-        out[coordinator] = Assignment({**mine.entries, **first}, mine.held)
+        out[coordinator] = Assignment({**mine.entries, **entries}, mine.held)
     return dict(sorted(out.items()))
 
 
@@ -478,15 +477,13 @@ def plan_owned(received: dict[int, tuple[int, Sequence[ShardInfo]]], ranks: Sequ
     """An owner's part of a save's plan step, at ``position`` in ``ranks`` (the first
     coordinates): from what the senders sent (``received``: what each holds in all,
     and its shards of the tensors this rank owns a column of), each holder's part
-    (``assignments``) and, for the tensors of column 0, their units
+    (``assignments``) and, as an owner of column 0, its tensors' units
     (``WritePlan.owned``). Raises ``CheckpointError`` where the shards disagree."""
-    columns = {info.key: column_of(info.key, position, len(ranks), replicas.columns)
-               for _, mine in received.values() for info in mine}
+    column = column_of(position, len(ranks), replicas.columns)
     entries, cells = plan_tensors({r: m for r, (_, m) in received.items()}, policy)
     parts = assignments(entries, cells, ranks[0], {r: t for r, (t, _) in received.items()},
-                        replicas, columns)
-    first = whole_cells([c for c in cells if not columns[c.key]], replicas)
-    return parts, file_units(entries, first)
+                        replicas, column)
+    return parts, file_units(entries, whole_cells(cells, replicas)) if not column else []
 
 
 def whole_cells(cells: Iterable[Cell], replicas: Replicas = NO_REPLICAS) -> list[Cell]:
