@@ -57,7 +57,6 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from elastor_mcore.checkpoint import comm  # noqa: E402
-from elastor_mcore.checkpoint import plan as write_plan  # noqa: E402
 from elastor_mcore.checkpoint import reader  # noqa: E402
 from elastor_mcore.checkpoint.format import Manifest  # noqa: E402
 from elastor_mcore.checkpoint.plan import (  # noqa: E402
