@@ -239,8 +239,8 @@ def page_cache(rank: int) -> str:
 RETIME_S = 0.003
 """A rank's phase that took longer is timed twice more (the phases are pure) and its
 least time kept: on this shared machine the slowest of thousands of ranks was
-otherwise a crowded core's hiccup (one 4,096-rank load's slowest rank took 0.009 s
-in one run and 0.024 s in the next, the median 0.005 s in both)."""
+otherwise a crowded core's hiccup (two runs of a 4,096-rank load: the slowest rank
+0.009 s and 0.024 s, the median 0.005 s and 0.004 s)."""
 
 
 class RankClock:
