@@ -1,5 +1,8 @@
 """Shared fixtures: the repository root, recipes, and a runner for torchrun worlds."""
 
+import ast
+import contextlib
+import functools
 import json
 import os
 import time
@@ -8,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elastor_mcore.elastic import prestart
 from elastor_mcore.elastic.torchrun import run_torchrun
 from tests import train_world as shared_world
 
@@ -30,26 +34,59 @@ def pytest_configure(config):
         os.environ.setdefault("ELASTOR_LAYOUT_SEED", str(time.time_ns() % 1_000_000))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``, ``--dist loadgroup``; pytest.ini) each test module
-    runs whole on one worker, so that its module-scoped worlds run once, and the
-    modules that use one of ``SHARED_WORLDS`` run together, so that it runs once. The
-    suite mostly waits on torchrun worlds starting, supervisors polling and timeouts
-    running out (its processes use under half of two cores): two workers overlap that."""
-    group_of: dict[str, str] = {}
-    for item in items:
-        shared = [w for w in SHARED_WORLDS if w in item.fixturenames]
-        if shared:
-            group_of[item.module.__name__] = shared[0]
-    for item in items:
-        name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group_of.get(name, name)))
+@functools.cache
+def shared_world_of(module_path: Path) -> str | None:
+    """The first of ``SHARED_WORLDS`` that a test module's functions (tests, fixtures,
+    ``train_world_part``) name, read from its source: xdist's controller schedules by
+    node id, without collecting."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(module_path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+            names.update(a.arg for a in (*node.args.args, *node.args.kwonlyargs))
+    names |= {"train_world"} if "train_world_part" in names else set()
+    return next((world for world in SHARED_WORLDS if world in names), None)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (``-n 2``; pytest.ini) each test module runs whole on one
+    worker, so that its module-scoped worlds run once, and the modules that share a
+    session world run on the same worker, so that it runs once. The suite mostly
+    waits on torchrun worlds starting, supervisors polling and timeouts running out:
+    two workers overlap that."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return shared_world_of(config.rootpath / module) or module
+
+    return ModuleScheduling(config, log)
+
+
+PRE_IMPORTED = contextlib.ExitStack()
+"""The zygote (``elastic.rank.zygote``) whose forks are ``run_world``'s ranks: started
+at the first world of this pytest process, stopped at its end."""
+ZYGOTE_SOCKET: dict[str, str] = {}
+
+
+def pytest_unconfigure(config):
+    PRE_IMPORTED.close()
 
 
 def run_world(nproc: int, module: str, args: list[str], timeout: float = 240):
-    """Run a torchrun world from the repo root; fail the test with its output."""
-    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    result = run_torchrun(nproc, module, args, timeout=timeout, capture=True, env=env)
+    """Run a torchrun world from the repo root; fail the test with its output.
+
+    Its ranks are forked from this pytest process's zygote, under keepers, as
+    ``elastor launch`` starts them: each rank of a cold world pays seconds of CPU
+    importing torch and Megatron-Core, and the suite starts hundreds of ranks. What a
+    user's command starts (``elastor train``, ``pretrain_gpt.py``) the tests run cold."""
+    if not ZYGOTE_SOCKET:
+        ZYGOTE_SOCKET.update(PRE_IMPORTED.enter_context(prestart.prestarted(True)))
+    env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           **ZYGOTE_SOCKET}
+    result = run_torchrun(nproc, prestart.KEEPER, [module, *args], timeout=timeout,
+                          capture=True, env=env)
     if result.returncode:
         pytest.fail(f"torchrun {module} exited {result.returncode}\n"
                     f"--- stdout ---\n{result.stdout[-6000:]}\n"

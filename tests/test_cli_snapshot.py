@@ -82,3 +82,16 @@ def test_inspect_reads_only_the_manifest(tmp_path):
         f"import elastor_mcore.cli\nelastor_mcore.cli.main(['inspect', {str(step)!r}])")
     assert "step: 3" in out and "4x8" in out and "float32" in out, out
     assert heavy == []
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """``elastor plan ... | head -1``: the pipe closes before the table is written."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elastor_mcore.cli", "plan", "--recipe", "llama3-8b",
+         "--hardware", "h100-80gb", "--nodes", "2", "--gpus-per-node", "8"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

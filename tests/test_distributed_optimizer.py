@@ -13,7 +13,8 @@ with a warm-up + cosine schedule and ``clip_grad`` low enough that every step cl
   continues the lr schedule exactly;
 * the optimizer-state bytes of every rank of the crossed layout, measured on its
   tensors, with and without sharding, against 12 bytes per parameter divided by its
-  replica count.
+  replica count; and what building each optimizer allocated: ZeRO-1 its shard (and
+  the fp32 gradient buffers), never an fp32 copy of the rank's weights.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ STEPS, RESUMED_STEPS = 3, 5
 PAIRS = {"uniform-bf16": ("dp2-tp2-pp1", "bfloat16"),
          "crossed-bf16": ("two-pipelines-crossed-splits", "bfloat16"),
          "three-pipelines-fp32": ("three-pipelines-uneven", "float32")}
+BUILD_SLACK = 64 * 1024
+"""Bytes building ZeRO-1 may allocate for a while besides what it keeps (the plan's
+collectives' buffers); the fp32 copy of rank 0's weights is 263,168 bytes."""
 BF16_TOLERANCE = 5e-5
 """As ``test_mixed_precision``: ten times bf16's measured noise floor across layouts."""
 
@@ -207,6 +211,23 @@ def test_optimizer_state_bytes_per_rank_fall_by_the_replica_count(world):
     total = sum(z["state_bytes"] for z in zero)
     assert total == pytest.approx(sum(z["formula_bytes"] for z in zero), abs=1e-6)
     assert total < sum(p["state_bytes"] for p in plain)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(TIMEOUT)
+def test_zero1_builds_only_its_shard(world):
+    """Building ``DistributedOptimizer`` allocates the fp32 gradient buffers (as the
+    plain optimizer does) and the fp32 state of the rank's shard, nothing more: the
+    plain bf16 optimizer's build, which copies every weight to fp32, is measured by the
+    same meter for contrast."""
+    for r in range(6):
+        plain = json.loads((world / "crossed-bf16-False" / f"memory.rank{r}.json").read_text())
+        zero = json.loads((world / "crossed-bf16-True" / f"memory.rank{r}.json").read_text())
+        print(f"rank {r}: build peak {zero['build_peak']} B (gradients {zero['grad_bytes']}, "
+              f"shard {zero['shard_bytes']}), plain {plain['build_peak']} B")
+        assert zero["build_kept"] == zero["grad_bytes"] + zero["shard_bytes"]
+        assert zero["build_peak"] <= zero["build_kept"] + BUILD_SLACK
+        assert plain["build_kept"] == plain["grad_bytes"] + 4 * plain["params"]
 
 
 def test_row_cuts_are_as_even_as_rows_and_chunks_allow():

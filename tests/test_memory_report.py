@@ -24,7 +24,7 @@ import yaml
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.planner import CostModel, load_hardware, plan
 from elastor_mcore.planner.cost_model import GIB
-from elastor_mcore.runtime.memory import SavedTensorMeter, measure
+from elastor_mcore.runtime.memory import AllocationMeter, SavedTensorMeter, measure
 from tests.conftest import REPO, run_world, write_tiny_recipe
 from tests.test_planner_optimality import rejected_unsplit, with_optimizer
 
@@ -46,6 +46,20 @@ def test_meter_counts_each_saved_storage_once_and_sees_it_freed():
     assert meter.peak == meter.current == 2 * 32 * 64 * 4
     loss.backward()
     assert meter.current == 0 and meter.peak == 2 * 32 * 64 * 4
+
+
+def test_allocation_meter_counts_new_storages_until_the_last_reference_goes():
+    weights = [torch.randn(1000, 100, dtype=torch.bfloat16) for _ in range(3)]
+    with AllocationMeter() as meter:
+        copies = [w.detach().clone().float() for w in weights]  # a bf16 clone, then fp32
+        assert meter.current == 3 * 400_000 and meter.peak == 3 * 400_000 + 200_000
+        views = [c.view(-1) for c in copies]
+        del copies
+        assert meter.current == 3 * 400_000  # the views keep the storages alive
+        del views
+        older = weights[0].view(-1).add_(1)  # a tensor from before and its views: not new
+        assert meter.current == 0 and meter.peak == 3 * 400_000 + 200_000
+    assert older.untyped_storage().data_ptr() == weights[0].untyped_storage().data_ptr()
 
 
 def test_optimizer_bytes_leave_out_the_weights_it_updates():

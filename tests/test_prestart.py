@@ -21,15 +21,24 @@ from elastor_mcore.elastic.rank.keeper import exit_code
 from tests.conftest import REPO
 
 RANK = """
-import os, sys, time
-print("rank", os.getpid(), sys.argv[1:], os.environ.get("WHO"), os.getcwd(),
-      "torch" in sys.modules, flush=True)
-if sys.argv[1] == "pid":
-    open(sys.argv[2], "w").write(str(os.getpid()))
-    time.sleep(60)
-if sys.argv[1] == "signal":
-    os.kill(os.getpid(), 9)
-sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
+import concurrent.futures, multiprocessing, os, sys, time
+if __name__ == "__main__":  # not in a multiprocessing child, which imports this module
+    print("rank", os.getpid(), sys.argv[1:], os.environ.get("WHO"), os.getcwd(),
+          "torch" in sys.modules, flush=True)
+    if sys.argv[1] in ("child", "child-stays"):  # a (daemon) child of its own, then exit
+        child = multiprocessing.get_context("spawn").Process(target=time.sleep,
+                                                             args=(600,), daemon=True)
+        child.start()
+        open(sys.argv[2], "w").write(f"{os.getpid()} {child.pid}")
+    if sys.argv[1] in ("pid", "child-stays"):
+        if sys.argv[1] == "pid":
+            open(sys.argv[2], "w").write(str(os.getpid()))
+        time.sleep(60)
+    if sys.argv[1] == "signal":
+        os.kill(os.getpid(), 9)
+    if sys.argv[1] == "pool":  # left running: its idle workers end at exit
+        concurrent.futures.ThreadPoolExecutor(2).submit(time.sleep, 0.1).result()
+    sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
 """
 
 
@@ -65,21 +74,52 @@ def test_a_signal_is_the_keepers_code_unless_in_place(zygote, tmp_path):
     assert keeper(tmp_path, zygote, "--in-place", "probe_rank", "4").returncode == 4
 
 
-def test_a_killed_keeper_takes_its_rank_along(zygote, tmp_path):
-    pid_file = tmp_path / "rank.pid"
-    proc = keeper(tmp_path, zygote, "probe_rank", "pid", str(pid_file), wait=False)
+def written_pids(pid_file: Path, proc: subprocess.Popen) -> list[int]:
+    """The pids the rank writes to ``pid_file`` once it is running."""
     deadline = time.monotonic() + 120
     while not pid_file.is_file() or not pid_file.read_text():
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.05)
-    rank = int(pid_file.read_text())
+    return [int(pid) for pid in pid_file.read_text().split()]
+
+
+def assert_gone(pid: int, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read().lower():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_killed_keeper_takes_its_rank_along(zygote, tmp_path):
+    pid_file = tmp_path / "rank.pid"
+    proc = keeper(tmp_path, zygote, "probe_rank", "pid", str(pid_file), wait=False)
+    [rank] = written_pids(pid_file, proc)
     assert os.getpgid(rank) == rank  # a session of its own: stopping it stops no other
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{rank}") and "zombie" not in open(f"/proc/{rank}/status").read().lower():
-        assert time.monotonic() < deadline, "the rank outlived its keeper"
-        time.sleep(0.05)
+    assert_gone(rank, "the rank outlived its keeper")
+
+
+def test_a_ranks_own_children_end_with_it(zygote, tmp_path):
+    """A rank that started a daemon multiprocessing child (as Megatron's checkpointing
+    does) and returns ends it as a ``python -m`` process's exit would, so no orphan
+    holds the keeper's output (torchrun's, the launcher's) open; a killed keeper's rank
+    takes its children along; a thread pool left running does not keep a rank from
+    ending (its idle workers are told to stop before threads are joined)."""
+    assert keeper(tmp_path, zygote, "probe_rank", "pool").returncode == 0
+    pid_file = tmp_path / "rank.pid"
+    proc = keeper(tmp_path, zygote, "probe_rank", "child", str(pid_file), wait=False)
+    _, child = written_pids(pid_file, proc)
+    proc.communicate(timeout=60)  # the output closes: nothing outlived the rank
+    assert proc.returncode == 0
+    assert_gone(child, "the rank's child outlived it")
+    pid_file.unlink()
+    proc = keeper(tmp_path, zygote, "probe_rank", "child-stays", str(pid_file), wait=False)
+    rank, child = written_pids(pid_file, proc)
+    proc.kill()
+    proc.wait()
+    assert_gone(rank, "the rank outlived its keeper")
+    assert_gone(child, "the rank's child outlived its keeper")
 
 
 def test_without_a_zygote_the_keeper_forks_the_rank(tmp_path):

@@ -1,8 +1,10 @@
 """The settings production Llama recipes turn on, through Megatron-LM's loop on a
 heterogeneous layout: ``--sequence-parallel``, ``--overlap-grad-reduce``,
 ``--overlap-param-gather`` (with the distributed optimizer) and tied embeddings on
-pipelines of several stages. The real patched ``pretrain_gpt.py`` under torchrun on
-CPU/gloo, fp32 (``tests/pretrain_gpt_run.py``), on 6 ranks:
+pipelines of several stages, and the distributed optimizer's start-up memory under
+``--bf16`` (its build allocates each rank's shard only). The real patched
+``pretrain_gpt.py`` under torchrun on CPU/gloo, fp32 but for that one run
+(``tests/pretrain_gpt_run.py``), on 6 ranks:
 
     pipelines:
       - {micro_batches: 5, stages: [{tp: 2, layers: 4}, {tp: 1, layers: 2}, {tp: 2, layers: 2}]}
@@ -69,6 +71,20 @@ saving taken off analytically)."""
 
 ZERO_SHARE_RTOL = 0.05
 """A rank's ZeRO-1 state against the planner's even share (measured within 2%)."""
+_ZERO_ALLOCATED = re.compile(r"rank (\d+): ZeRO-1 over .*?; (\d+) bytes allocated")
+_STARTUP_ROW = re.compile(r"memory_report:\s+(\d+)\s+(P\d+\.S\d+\.tp\d+)" + r"\s+([0-9.]+)" * 5
+                          + r"\s+([0-9.]+|-)\s+([0-9.]+|-)$", re.M)
+STARTUP_KINDS = ("build peak", "kept", "start-up", "steady", "planner")
+BUILD_SLACK_MIB = 0.01
+"""What building the optimizer may allocate besides ZeRO-1's own tensors (MiB): measured
+0.000 at both releases; the fp32 copy of the smallest stage's weights that Megatron's
+bf16 optimizer made before is 0.251 MiB."""
+
+
+def startup_rows(run: PretrainRun) -> dict[int, dict[str, float]]:
+    """Rank -> start-up figure -> MiB from ``--elastor-report-memory``'s second table."""
+    return {int(m.group(1)): dict(zip(STARTUP_KINDS, map(float, m.groups()[2:7])))
+            for m in _STARTUP_ROW.finditer(run.stdout)}
 
 
 def memory_rows(run: PretrainRun) -> dict[int, dict[str, tuple[float, float]]]:
@@ -120,6 +136,10 @@ class Runs:
     @cached_property
     def distopt(self) -> PretrainRun:
         return self._fresh("distopt", *SP, *DISTOPT, "--elastor-report-memory")
+
+    @cached_property
+    def distopt_bf16(self) -> PretrainRun:
+        return self._fresh("distopt_bf16", *SP, *DISTOPT, "--bf16", "--elastor-report-memory")
 
     @cached_property
     def distopt_overlap(self) -> PretrainRun:
@@ -266,3 +286,26 @@ def test_memory_report_beside_the_planner(runs, name):
         assert abs(measured / predicted - 1) <= MEMORY_RTOL, (rank, row)
     state = [sum(row["optimizer"][i] for row in rows.values()) for i in (0, 1)]
     assert state[0] == pytest.approx(state[1], rel=0.01), state
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(HANG_GUARD_S)
+def test_bf16_distributed_optimizer_builds_only_each_ranks_shard(runs):
+    """``--bf16 --use-distributed-optimizer``: building the optimizer allocates, on every
+    rank, ZeRO-1's fp32 main parameters and reduced-gradient segments of its shard and
+    nothing of the size of its stage (Megatron's bf16 optimizer copied the whole stage to
+    fp32 first, and kept the copy); the start-up peak stays below the steady state,
+    measured and planned (the copy put ranks 3-5 above the plan)."""
+    run = runs.distopt_bf16
+    rows = startup_rows(run)
+    allocated = {int(r): int(b) / 2**20 for r, b in _ZERO_ALLOCATED.findall(run.stdout)}
+    memory = memory_rows(run)
+    print("\nbf16 ZeRO-1, MiB per rank: " + "; ".join(
+        f"{r}: ZeRO-1 {allocated[r]:.3f}, " + ", ".join(f"{k} {v:.3f}" for k, v in row.items())
+        for r, row in sorted(rows.items())))
+    assert sorted(rows) == sorted(allocated) == list(range(RANKS)), run.stdout[-3000:]
+    for rank, row in rows.items():
+        weights = memory[rank]["weights"][0]  # bf16: the fp32 copy is twice this
+        assert row["build peak"] <= allocated[rank] + BUILD_SLACK_MIB, (rank, row, weights)
+        assert row["kept"] <= allocated[rank] + BUILD_SLACK_MIB, (rank, row, weights)
+        assert row["start-up"] <= min(row["steady"], row["planner"]), (rank, row)

@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
+import sys
 
 SUBCOMMAND_MODULES = [
     "elastor_mcore.cli.train",
@@ -38,5 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (``elastor inspect ... | head``): stop quietly, as a shell tool
+        # killed by SIGPIPE does, and keep the interpreter's own flush at exit quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    return code
 

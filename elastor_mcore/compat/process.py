@@ -9,11 +9,14 @@ Linux this is a no-op (logged once).
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import logging
 import os
 import signal
 import sys
+import threading
 
 log = logging.getLogger(__name__)
 
@@ -43,3 +46,28 @@ def parent_death_preexec(sig: int = signal.SIGTERM):
         if sys.platform.startswith("linux"):
             ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     return preexec
+
+
+def signal_rank(pid: int, sig: int) -> None:
+    """Send ``sig`` to a rank that leads a session of its own (a fork of the zygote) and
+    to its process group (its own children: a shell's or torchrun's stop reaches them
+    too). A rank that has not called ``setsid`` yet gets it alone; one already gone,
+    nothing."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def finish_as_python_does() -> None:
+    """What Python does when a program ends, for a process that must then leave by
+    ``os._exit`` (a fork of the pre-imported worker, inside that worker's call stack):
+    threading's shutdown (its exit callbacks, which stop thread pools' workers, then a
+    join of the non-daemon threads), the ``atexit`` handlers (multiprocessing's stops
+    the process's own children), a flush. ``threading._shutdown`` is what the
+    interpreter itself calls; there is no public equivalent."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()

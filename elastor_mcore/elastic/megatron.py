@@ -58,6 +58,9 @@ class MegatronLM(Workload):
     recipe_path: str
     """The job's recipe file (``megatron-recipe.yaml``)."""
     module = "elastor_mcore.elastic.rank.megatron"
+    prestarted = True
+    """Its ranks fork from the zygote, which holds torch and Megatron-Core; each imports
+    ``megatron.training`` and runs ``pretrain_gpt.py`` as a cold rank does."""
 
     @property
     def steps(self) -> int:

@@ -272,8 +272,15 @@ class ZeroShards:
         self.copy_model_to_main()
         owned_bytes, formula = planned_state_bytes(plan.buckets, rank)
         log.info("rank %d: ZeRO-1 over %d replica sets, optimizer state %d bytes "
-                 "(12 B/param / replicas: %.0f)", rank, len(self._buckets), owned_bytes,
-                 formula)
+                 "(12 B/param / replicas: %.0f); %d bytes allocated (fp32 main parameters "
+                 "and reduced-gradient segments)", rank, len(self._buckets), owned_bytes,
+                 formula, self.nbytes())
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors built for the owned segments: their fp32 main parameters
+        and reduced gradients (Adam's moments come with the first step)."""
+        return sum(m.nbytes for b in self._buckets for m in b.mains) + sum(
+            b.owned_grad.nbytes for b in self._buckets)
 
     def owned_mains(self) -> list[tuple[Fragment, torch.Tensor]]:
         """Every owned fragment with its fp32 main parameter, in buffer order."""

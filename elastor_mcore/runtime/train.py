@@ -174,6 +174,8 @@ class StageRunner:
     device: torch.device
     sequence_parallel_grads: SequenceParallelGrads
     """Norm gradients summed over the TP group first (``training.sequence_parallel``)."""
+    startup: memory.StartupMemory | None = None
+    """Measured as the optimizer was built (``setup_stage(measure_startup=True)``)."""
     mask: torch.Tensor = field(init=False)
     positions: torch.Tensor = field(init=False)
     data_wait_s: float = field(init=False, default=0.0)
@@ -228,12 +230,13 @@ class StageRunner:
 
 
 def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache,
-                initialize: bool = True) -> StageRunner | None:
+                initialize: bool = True, measure_startup: bool = False) -> StageRunner | None:
     """Build everything a rank needs for ``layout``; None on idle ranks. Without
     ``initialize`` the weights are left as built (a restore fills them next).
 
     Every world rank must call this (group creation and the reduction plan are
-    collective over the world).
+    collective over the world). ``measure_startup``: the tensors the optimizer's
+    construction allocates are measured (``StageRunner.startup``).
     """
     groups = build_groups(layout, cache)
     model = None
@@ -244,23 +247,33 @@ def setup_stage(recipe: Recipe, layout: Layout, seed: int, cache: GroupCache,
         if initialize:
             initialize_weights(model, recipe, seed)
         model.to(device)
-    if recipe.training.distributed_optimizer:
-        plan = ShardPlan.build(layout, model, cache, chunk_policy(recipe))
-        if groups is None:
-            return None
-        optimizer = grad_sync = DistributedOptimizer(model, recipe, plan, cache)
-    else:
-        optimizer = StageOptimizer(model, recipe) if model is not None else None
-        grad_sync = GradientSynchronizer(layout, model, cache)  # after main_grad buffers
-        if groups is None:
-            return None
+    before = memory.held_bytes(model) if measure_startup and model is not None else 0
+    meter = memory.AllocationMeter() if measure_startup else None
+    with meter or contextlib.nullcontext():
+        optimizer, grad_sync = _build_optimizer(recipe, layout, model, cache)
+    if groups is None:
+        return None
     model_cfg = recipe.model
     shape = (model_cfg.seq_length, recipe.training.micro_batch_size, model_cfg.hidden_size)
     dtype = next(model.parameters()).dtype
     links = stage_links(layout, groups.rank, recipe.training.sequence_parallel)
     comm = StageCommunicator(links, shape, dtype, device)
     return StageRunner(recipe, groups, model, optimizer, grad_sync, comm, device,
-                       SequenceParallelGrads(model, groups.tp))
+                       SequenceParallelGrads(model, groups.tp),
+                       memory.StartupMemory.measured(before, meter) if meter else None)
+
+
+def _build_optimizer(recipe: Recipe, layout: Layout, model: torch.nn.Module | None,
+                     cache: GroupCache):
+    """(optimizer, gradient reduction); collective over the world (idle ranks: no
+    model, no optimizer). ZeRO-1 allocates the fp32 state of the rank's shard only."""
+    if recipe.training.distributed_optimizer:
+        plan = ShardPlan.build(layout, model, cache, chunk_policy(recipe))
+        optimizer = DistributedOptimizer(model, recipe, plan, cache) if model is not None \
+            else None
+        return optimizer, optimizer
+    optimizer = StageOptimizer(model, recipe) if model is not None else None
+    return optimizer, GradientSynchronizer(layout, model, cache)  # after main_grad buffers
 
 
 def train_steps(runner: StageRunner, source: SampleSource, steps: range,
@@ -348,17 +361,19 @@ def optimizer_memory(runner: StageRunner) -> list[OptimizerMemory]:
     return gathered
 
 
-def peak_memory(runner: StageRunner, settings: RunSettings, activations_peak: int
-                ) -> list[RankMemory]:
+def peak_memory(runner: StageRunner, settings: RunSettings, activations_peak: int,
+                rss: memory.PhaseHighWater) -> list[RankMemory]:
     """Every active rank's memory after a step whose saved activations peaked at
-    ``activations_peak`` bytes, beside the planner's (collective over the active ranks)."""
+    ``activations_peak`` bytes and RSS at ``rss``, beside the planner's (collective over
+    the active ranks)."""
     groups, model = runner.groups, runner.model
     pos = groups.position
     measured = memory.measure(model, runner.optimizer.adamw,
                               [grad_buffer(p) for p in model.parameters()], activations_peak)
     mine = RankMemory(groups.rank, f"P{pos.pipeline}.S{pos.stage}.tp{pos.tp_rank}", measured,
-                      memory.rss_peak_bytes(), memory.device_peak_bytes(runner.device),
-                      predict_memory(settings, runner.recipe, groups))
+                      rss.process, memory.device_peak_bytes(runner.device),
+                      predict_memory(settings, runner.recipe, groups), runner.startup,
+                      rss.phase)
     gathered: list = [None] * dist.get_world_size(groups.active)
     dist.all_gather_object(gathered, mine, group=groups.active)
     return gathered
@@ -414,7 +429,8 @@ def snapshot(session: Session, done: int) -> None:
 
 def begin(cfg: RunConfig, cache: GroupCache) -> Session | None:
     """Set up this rank for ``cfg.layout`` and resume if asked; None on idle ranks."""
-    runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache)
+    runner = setup_stage(cfg.recipe, cfg.layout, cfg.seed, cache,
+                         measure_startup=cfg.settings.report_memory)
     tier = memory_tier(runner, cfg)
     if runner is None:
         return None
@@ -427,9 +443,9 @@ def begin(cfg: RunConfig, cache: GroupCache) -> Session | None:
         raise
     load_s = time.perf_counter() - load_start
     if cfg.settings.report_memory:
-        memory = optimizer_memory(runner)
+        state = optimizer_memory(runner)
         if cfg.on_memory and runner.groups.rank == min(cfg.layout.ranks):
-            cfg.on_memory(memory)
+            cfg.on_memory(state)
     if cfg.settings.save_dir and runner.groups.rank == min(cfg.layout.ranks):
         checkpoint.remove_stale(cfg.settings.save_dir)
     session = Session(cfg, runner, open_sample_source(runner, cfg, start),
@@ -450,13 +466,14 @@ def run_steps(session: Session, metrics: list[StepMetrics]) -> None:
             tier.wait()
         cfg.hooks.step_start(step + 1)
         in_flight = saver is not None and saver.in_flight
-        meter = SavedTensorMeter(runner.model) \
-            if cfg.settings.report_memory and step == session.start else None
-        with meter or contextlib.nullcontext():
+        measured = cfg.settings.report_memory and step == session.start
+        meter = SavedTensorMeter(runner.model) if measured else contextlib.nullcontext()
+        rss = memory.PhaseHighWater() if measured else contextlib.nullcontext()
+        with meter, rss:
             reported = train_steps(runner, session.source, range(step, step + 1),
                                    on_update=lambda done: snapshot(session, done))
-        if meter:
-            peaks = peak_memory(runner, cfg.settings, meter.peak)
+        if measured:
+            peaks = peak_memory(runner, cfg.settings, meter.peak, rss)
             if cfg.on_peak_memory and session.reporter:
                 cfg.on_peak_memory(peaks)
         done = step + 1

@@ -36,7 +36,9 @@ Two measurements follow a case's training (the ZeRO-1 tests):
   what ``elastor train --report-memory`` prints for it (bytes of fp32 main parameters
   and moments its optimizer holds, measured on its tensors; its parameter count; the
   formula, ``12 * numel / replicas`` under ZeRO-1) and under ZeRO-1 the plan's owned
-  bytes;
+  bytes; and the start-up: the bytes of the tensors building its optimizer allocated,
+  at their peak and kept (``setup_stage(measure_startup=True)``), beside its gradient
+  buffers' and, under ZeRO-1, what it allocated for its shard;
 * ``--native-check NAME``: after ZeRO-1 case NAME, every rank reduces the last step's
   gradients again both ways (``DistributedOptimizer.reduce``: gloo's all-reduce
   emulation, and ``reduce_scatter_tensor`` on the padded buffer, the NCCL path) and
@@ -64,6 +66,7 @@ from elastor_mcore.parallel.groups import GroupCache
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.parallel.shards import sharded_tensors
+from elastor_mcore.runtime.grad_sync import grad_buffer
 from elastor_mcore.runtime.train import optimizer_memory, resume, setup_stage, train_steps
 
 LOG = logging.getLogger("train_matrix")
@@ -119,7 +122,8 @@ def restore_case(case: dict, runner, out: Path) -> int:
     return restored.step
 
 
-def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root: Path):
+def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root: Path,
+             measure_startup: bool = False):
     """Run one case; returns this rank's ``StageRunner`` (None on idle ranks)."""
     recipe_path = case.get("recipe", default_recipe)
     if recipe_path is None:
@@ -129,7 +133,8 @@ def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root
     out = out_root / case["name"]
     out.mkdir(parents=True, exist_ok=True)
     seed = recipe.training.seed
-    runner = setup_stage(recipe, layout, seed, cache, initialize="restore" not in case)
+    runner = setup_stage(recipe, layout, seed, cache, initialize="restore" not in case,
+                         measure_startup=measure_startup)
     tier = None
     if "tier" in case:  # collective over the world
         shards = state_shards(runner.model, runner.optimizer) if runner is not None else []
@@ -173,9 +178,12 @@ def measure_memory(runner, out: Path) -> None:
     rank = dist.get_rank()
     mine = next(m for m in optimizer_memory(runner) if m.rank == rank)
     report = {"state_bytes": mine.state_bytes, "params": mine.params,
-              "formula_bytes": mine.expected_bytes, "sharded": mine.sharded}
+              "formula_bytes": mine.expected_bytes, "sharded": mine.sharded,
+              "build_peak": runner.startup.built_peak, "build_kept": runner.startup.built_kept,
+              "grad_bytes": sum(grad_buffer(p).nbytes for p in runner.model.parameters())}
     if isinstance(runner.optimizer, DistributedOptimizer):
         report["planned_bytes"] = planned_state_bytes(runner.optimizer.plan.buckets, rank)[0]
+        report["shard_bytes"] = runner.optimizer.nbytes()
     (out / f"memory.rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -210,7 +218,7 @@ def main() -> None:
     for spec in args.case:
         case = parse_case(spec)
         started, cpu_started = time.perf_counter(), time.process_time()
-        runner = run_case(case, args.recipe, cache, out)
+        runner = run_case(case, args.recipe, cache, out, case["name"] in args.memory)
         cpu_seconds = torch.tensor([time.process_time() - cpu_started], dtype=torch.float64)
         dist.all_reduce(cpu_seconds)  # also waits for the case's slowest rank
         if dist.get_rank() == 0:  # what each case costs, for trimming the world

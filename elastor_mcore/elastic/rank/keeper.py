@@ -29,7 +29,7 @@ import socket
 import sys
 import time
 
-from elastor_mcore.compat.process import die_with_parent
+from elastor_mcore.compat.process import die_with_parent, finish_as_python_does, signal_rank
 from elastor_mcore.elastic.protocol import ZYGOTE_ENV
 
 ZYGOTE_WAIT_S = 120.0
@@ -50,8 +50,7 @@ def run_child(module: str, args: list[str]) -> None:
         import traceback
         traceback.print_exc()
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    finish_as_python_does()  # multiprocessing's exit handler stops the rank's children
     os._exit(code)
 
 
@@ -105,10 +104,7 @@ def from_zygote(conn: socket.socket, module: str, args: list[str]) -> int:
     pid = next(answers)
 
     def forward(signum, _frame) -> None:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
+        signal_rank(pid, signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)

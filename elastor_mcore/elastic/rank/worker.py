@@ -32,7 +32,7 @@ from elastor_mcore.elastic.rank.hooks import ElasticHooks, from_settings
 from elastor_mcore.elastic.rank.inplace import InPlaceRecovery
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.planner import measured_step_s
-from elastor_mcore.runtime.memory import memory_table
+from elastor_mcore.runtime.memory import memory_table, startup_table
 from elastor_mcore.runtime.train import (Prediction, RunConfig, StepMetrics, device_for_rank,
                                          predict_step, train)
 
@@ -130,8 +130,9 @@ def print_memory(reports) -> None:
 
 
 def print_peak_memory(reports) -> None:
-    """``--report-memory``, after the first step: ``memory.memory_table``."""
-    for line in memory_table(reports):
+    """``--report-memory``, after the first step: ``memory.memory_table``, and the
+    start-up against it (``memory.startup_table``)."""
+    for line in (*memory_table(reports), *startup_table(reports, "step 1")):
         print(line, flush=True)
 
 

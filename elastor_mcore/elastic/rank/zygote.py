@@ -13,8 +13,10 @@ session of its own
 (the supervisor stops a rank by its process group) and runs the module as ``python -m``
 would. The zygote answers with the child's pid and, when the child ends, its wait
 status. The child's life is tied to the client's: if the client's connection closes
-first (the keeper was killed), the zygote SIGKILLs the child; if the zygote dies, its
-children get SIGKILL (``compat.process``).
+first (the keeper was killed), the zygote SIGKILLs the child's process group (the
+rank's own children too); if the zygote dies, its children get SIGKILL
+(``compat.process``). The child ends as ``python -m`` would
+(``compat.process.finish_as_python_does``).
 
 One thread (a selector over the socket, the clients and a self-pipe for ``SIGCHLD``):
 nothing else runs when it forks.
@@ -35,7 +37,7 @@ import sys
 import time
 import warnings
 
-from elastor_mcore.compat.process import die_with_parent
+from elastor_mcore.compat.process import die_with_parent, signal_rank
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +136,7 @@ class Zygote:
         pid = self.client_of[conn]
         if pid is not None:  # a started rank's client closed: the rank goes with it
             self.drop(conn)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            signal_rank(pid, signal.SIGKILL)
             return
         try:
             request, fds = read_request(conn)

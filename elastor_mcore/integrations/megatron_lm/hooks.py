@@ -127,9 +127,11 @@ PATCHES: tuple[Patch, ...] = (
           "setup_model_and_optimizer, once the model exists",
           "heterogeneous: every weight held in several pipelines takes its lowest-ranked "
           "holder's initial values (a tied embedding's last-stage copy a first stage's); "
-          "--use-distributed-optimizer becomes ZeRO-1 across pipelines (zero_optimizer.py); "
+          "--use-distributed-optimizer becomes ZeRO-1 across pipelines (zero_optimizer.py), "
+          "Megatron's optimizer built without fp32 copies of the weights; "
           "under --overlap-param-gather the model chunk's start_param_sync and forward "
-          "pre-hook switches become ZeRO-1's all-gather (overlap.py)"),
+          "pre-hook switches become ZeRO-1's all-gather (overlap.py); "
+          "--elastor-report-memory measures the tensors the build allocates"),
     # 4. loading
     Patch(_TRAINING, "load_checkpoint", loop.wrap_load,
           "setup_model_and_optimizer, with --load",

@@ -16,6 +16,7 @@ from elastor_mcore.parallel.groups import GroupCache, RankGroups
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.runtime.distributed_optimizer import ZeroShards
 from elastor_mcore.runtime.grad_sync import GradientSynchronizer, SequenceParallelGrads
+from elastor_mcore.runtime.memory import StartupMemory
 from elastor_mcore.runtime.p2p import StageCommunicator
 
 CKPT_FORMATS = ("zarr",)
@@ -114,6 +115,8 @@ class Installation:
     zero: ZeroShards | None = None
     """The ZeRO-1 shards under ``--use-distributed-optimizer`` (built with the optimizer)."""
     schedule: ScheduleState | None = None
+    startup_memory: StartupMemory | None = None
+    """Under ``--elastor-report-memory``: measured as the optimizer was built."""
     memory_report: MemoryReport | None = None
     """Under ``--elastor-report-memory`` (made when the loop first asks for its schedule)."""
     observer: LoopObserver = field(default_factory=LoopObserver)

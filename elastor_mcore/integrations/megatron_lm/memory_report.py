@@ -11,6 +11,11 @@ own ``report_memory`` line beside). The prediction is the cost model's for the r
 the arguments translate to (``translate.recipe_from_args``: sequence parallelism,
 recompute, the distributed optimizer) on ``--elastor-hardware`` (default on CPU: the
 shipped CPU profile; none on GPUs: no prediction).
+
+Start-up is reported beside it: the tensors allocated while the optimizer was built,
+at their peak and kept (``memory.AllocationMeter``, ``wrap_get_optimizer``), and the
+RSS high-water then; the step's own RSS high-water is measured from a reset at its
+start (``memory.reset_rss_high_water``), so the two phases' peaks compare.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class MemoryReport:
     """A hardware profile for the prediction (None: the CPU profile on CPU, else none)."""
     optimizer: Any = None
     """Megatron-LM's optimizer (``train`` hands it over)."""
+    startup: memory.StartupMemory | None = None
+    """Measured as the optimizer was built (None: not measured)."""
     steps: int = 0
     done: bool = False
 
@@ -67,15 +74,16 @@ class MemoryReport:
             chunks = model if isinstance(model, list) else [model]
             modules = [unwrap_model(c) for c in chunks]
             meter = memory.SavedTensorMeter(torch.nn.ModuleList(modules))
-            with meter:
+            with meter, memory.PhaseHighWater() as rss:
                 result = forward_backward(*args, **kwargs)
             self.done = True
-            self._report(modules, meter.peak, groups, recipe)
+            self._report(modules, meter.peak, groups, recipe, rss)
             return result
         return measured
 
     def _report(self, modules: list[torch.nn.Module], activations_peak: int,
-                groups: RankGroups | None, recipe: Callable[[], Recipe]) -> None:
+                groups: RankGroups | None, recipe: Callable[[], Recipe],
+                rss: memory.PhaseHighWater) -> None:
         model = torch.nn.ModuleList(modules)
         measured = memory.measure(model, _inner_optimizers(self.optimizer)[0],
                                   [grad_buffer(p) for p in model.parameters()],
@@ -88,8 +96,8 @@ class MemoryReport:
         pos = groups.position
         mine = memory.RankMemory(
             groups.rank, f"P{pos.pipeline}.S{pos.stage}.tp{pos.tp_rank}", measured,
-            memory.rss_peak_bytes(), memory.device_peak_bytes(device),
-            self._predicted(recipe(), groups, device))
+            rss.process, memory.device_peak_bytes(device),
+            self._predicted(recipe(), groups, device), self.startup, rss.phase)
         reports: list = [None] * dist.get_world_size(groups.active)
         dist.all_gather_object(reports, mine, group=groups.active)
         if device.type == "cuda":
@@ -97,8 +105,10 @@ class MemoryReport:
 
             report_memory(f"(elastor: step {MEASURED_STEP})")
         if groups.rank == min(groups.layout.ranks):
-            for line in memory.memory_table(sorted(reports, key=lambda r: r.rank),
-                                            f"in training step {MEASURED_STEP}"):
+            reports.sort(key=lambda r: r.rank)
+            when = f"training step {MEASURED_STEP}"
+            for line in (*memory.memory_table(reports, f"in {when}"),
+                         *memory.startup_table(reports, when)):
                 log.info("%s", line)
 
     def _predicted(self, recipe: Recipe, groups: RankGroups, device: torch.device

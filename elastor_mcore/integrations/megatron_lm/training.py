@@ -86,6 +86,7 @@ from elastor_mcore.integrations.megatron_lm.overlap import (
 from elastor_mcore.integrations.megatron_lm.translate import is_heterogeneous, recipe_from_args
 from elastor_mcore.parallel.groups import RankGroups, replica_ranks
 from elastor_mcore.parallel.layout import Layout
+from elastor_mcore.runtime import memory
 from elastor_mcore.runtime.distributed_optimizer import ShardPlan, ZeroShards
 from elastor_mcore.runtime.grad_sync import (GradientSynchronizer, SequenceParallelGrads,
                                              backward_order, broadcast_replicas)
@@ -199,42 +200,63 @@ def wrap_get_optimizer(original: Callable, installation: Installation) -> Callab
     ``get_model`` or a model builder, then call this with it): a fresh start would
     otherwise train pipelines that disagree on every layer they share. A checkpoint
     loaded afterwards overwrites all. Under ``--use-distributed-optimizer`` Megatron
-    builds its plain optimizer (for its param groups), which ``zero_megatron_optimizer``
-    turns into ZeRO-1 across pipelines."""
+    builds its plain fp32 optimizer over the model's own weights (for its param groups;
+    no fp32 copy), which ``zero_megatron_optimizer`` turns into ZeRO-1 across pipelines,
+    each rank allocating the fp32 state of its shard only. Under
+    ``--elastor-report-memory`` the tensors the build allocates are measured."""
     def get_megatron_optimizer(config, model_chunks, *args, **kwargs):
-        if not installation.heterogeneous():
-            return original(config, model_chunks, *args, **kwargs)
-        from megatron.core.utils import unwrap_model
+        if installation.heterogeneous():
+            from megatron.core.utils import unwrap_model
 
-        # Unwrapped as Megatron-LM's checkpoints are: the ZeRO-1 state's keys are its.
-        model = unwrap_model(_single_chunk(model_chunks))
-        layout = installation.groups.layout
-        received = broadcast_replicas(layout, model, installation.cache)
-        log.info("rank %d: %d parameter elements set from their replicas in other "
-                 "pipelines", dist.get_rank(), received)
-        if not config.use_distributed_optimizer:
-            return original(config, model_chunks, *args, **kwargs)
-        from elastor_mcore.integrations.megatron_lm.zero_optimizer import (
-            zero_megatron_optimizer)  # defines a subclass of Megatron's optimizer
-
-        from megatron.training import get_args
-
-        plain = original(dataclasses.replace(config, use_distributed_optimizer=False),
-                         model_chunks, *args, **kwargs)
-        plan = ShardPlan.build(layout, model, installation.cache,
-                               installation.options().save.chunking)
-        megatron_args = get_args()
-        zero = installation.zero = ZeroShards(
-            plan, installation.cache, next(model.parameters()).device,
-            backward_order(key_position) if megatron_args.overlap_grad_reduce else None)
-        gather_weights = zero.copy_main_to_model
-        if megatron_args.overlap_param_gather:
-            gather = ParamGather(zero, model)
-            serve_param_sync(_single_chunk(model_chunks), gather)
-            gather_weights = gather.start
-        return zero_megatron_optimizer(plain, zero, lambda: installation.schedule.norm,
-                                       gather_weights)
+            received = broadcast_replicas(installation.groups.layout,
+                                          unwrap_model(_single_chunk(model_chunks)),
+                                          installation.cache)
+            log.info("rank %d: %d parameter elements set from their replicas in other "
+                     "pipelines", dist.get_rank(), received)
+        if installation.layout is None or not installation.options().report_memory:
+            return _build_optimizer(original, installation, config, model_chunks,
+                                    *args, **kwargs)
+        chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
+        before = memory.held_bytes(torch.nn.ModuleList(chunks))
+        meter = memory.AllocationMeter()
+        with meter:
+            optimizer = _build_optimizer(original, installation, config, model_chunks,
+                                         *args, **kwargs)
+        installation.startup_memory = memory.StartupMemory.measured(before, meter)
+        return optimizer
     return get_megatron_optimizer
+
+
+def _build_optimizer(original: Callable, installation: Installation, config, model_chunks,
+                     *args, **kwargs):
+    """Megatron's optimizer, or on a heterogeneous layout under
+    ``--use-distributed-optimizer`` ZeRO-1 across pipelines behind its interface."""
+    if not installation.heterogeneous() or not config.use_distributed_optimizer:
+        return original(config, model_chunks, *args, **kwargs)
+    from megatron.core.utils import unwrap_model
+
+    from elastor_mcore.integrations.megatron_lm.zero_optimizer import (
+        uncopied_config, zero_megatron_optimizer)  # a subclass of Megatron's optimizer
+
+    from megatron.training import get_args
+
+    # Unwrapped as Megatron-LM's checkpoints are: the ZeRO-1 state's keys are its.
+    model = unwrap_model(_single_chunk(model_chunks))
+    plain = original(uncopied_config(config), model_chunks, *args, **kwargs)
+    plan = ShardPlan.build(installation.groups.layout, model, installation.cache,
+                           installation.options().save.chunking)
+    megatron_args = get_args()
+    zero = installation.zero = ZeroShards(
+        plan, installation.cache, next(model.parameters()).device,
+        backward_order(key_position) if megatron_args.overlap_grad_reduce else None)
+    gather_weights = zero.copy_main_to_model
+    if megatron_args.overlap_param_gather:
+        gather = ParamGather(zero, model)
+        serve_param_sync(_single_chunk(model_chunks), gather)
+        gather_weights = gather.start
+    return zero_megatron_optimizer(
+        plain, dataclasses.replace(config, use_distributed_optimizer=False), zero,
+        lambda: installation.schedule.norm, gather_weights)
 
 
 def _model_config_from_args(built):
@@ -255,7 +277,7 @@ def wrap_train(original: Callable, installation: Installation) -> Callable:
             _check_optimizer(optimizer)
         if installation.layout is not None and installation.options().report_memory:
             installation.memory_report = MemoryReport(installation.options().hardware,
-                                                      optimizer)
+                                                      optimizer, installation.startup_memory)
         return original(forward_step_func, model, optimizer, *args, **kwargs)
     return train
 

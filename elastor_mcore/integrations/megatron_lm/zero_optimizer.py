@@ -29,6 +29,7 @@ layout and the other way round.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -51,23 +52,35 @@ def _megatron_optimizer_base():
     return MegatronOptimizer
 
 
-def zero_megatron_optimizer(built, shards: ZeroShards, norm: Callable[[], float],
+def uncopied_config(config):
+    """Megatron's optimizer config for the optimizer ``zero_megatron_optimizer`` takes:
+    neither distributed nor mixed precision, so that Megatron builds its plain
+    ``FP32Optimizer`` over the model's own weights (its param groups, lr and
+    weight-decay multipliers, torch optimizer) and no fp32 copy of them: with
+    ``bf16`` its ``Float16OptimizerWithFloat16Params`` would copy every weight of the
+    rank to fp32 (4 bytes per parameter, kept as ``param.main_param``) before ZeRO-1
+    takes its shard."""
+    return dataclasses.replace(config, use_distributed_optimizer=False, bf16=False,
+                               fp16=False)
+
+
+def zero_megatron_optimizer(built, config, shards: ZeroShards, norm: Callable[[], float],
                             gather_weights: Callable[[], None] | None = None):
-    """Megatron's non-distributed optimizer ``built`` for the same model, turned into a
-    ``ZeroMegatronOptimizer`` over ``shards`` (its fp32 copies of whole weights are
-    dropped); ``norm()`` is this step's global gradient norm; ``gather_weights`` runs
+    """Megatron's optimizer ``built`` with ``uncopied_config`` for the same model, turned
+    into a ``ZeroMegatronOptimizer`` over ``shards`` with Megatron's optimizer
+    ``config``; ``norm()`` is this step's global gradient norm; ``gather_weights`` runs
     after each step (default: ``shards.copy_main_to_model``, all-gathered at once)."""
     chained = getattr(built, "chained_optimizers", [built])
     if len(chained) != 1:
         raise RuntimeError(f"Megatron built {len(chained)} optimizers; ZeRO-1 on a "
                            f"heterogeneous layout takes one (a dense model)")
     megatron = chained[0]
+    if hasattr(megatron, "float16_groups"):
+        raise RuntimeError("Megatron built a mixed-precision optimizer, i.e. fp32 copies "
+                           "of the rank's whole model; build it with uncopied_config(config)")
     inner = megatron.optimizer
-    group_of = {}
-    for index, group in enumerate(inner.param_groups):
-        weights = (megatron.float16_groups[index] + megatron.fp32_from_fp32_groups[index]
-                   if hasattr(megatron, "float16_groups") else group["params"])
-        group_of.update({id(w): index for w in weights})
+    group_of = {id(w): index for index, group in enumerate(inner.param_groups)
+                for w in group["params"]}
     owned: list[list[torch.Tensor]] = [[] for _ in inner.param_groups]
     local = shards.plan.refinement.local
     for fragment, main in shards.owned_mains():
@@ -75,7 +88,7 @@ def zero_megatron_optimizer(built, shards: ZeroShards, norm: Callable[[], float]
     for group, mains in zip(inner.param_groups, owned):
         group["params"] = mains
     inner.state.clear()
-    return ZeroMegatronOptimizer(inner, megatron.config, shards, norm,
+    return ZeroMegatronOptimizer(inner, config, shards, norm,
                                  gather_weights or shards.copy_main_to_model)
 
 
