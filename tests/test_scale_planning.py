@@ -33,35 +33,40 @@ import pytest
 
 from elastor_mcore.checkpoint import comm
 from elastor_mcore.checkpoint.format import ChunkPolicy, choose_entry
+from elastor_mcore.checkpoint.format import CheckpointError
 from elastor_mcore.checkpoint.plan import (
-    assignments, build_plan, file_units, held_bytes, merge, plan_tensors, route)
-from elastor_mcore.checkpoint.reader import LoadRequest, plan_reads
+    NO_REPLICAS, Replicas, build_plan, held_bytes, merge, plan_owned, route)
+from elastor_mcore.checkpoint.reader import (
+    LoadRequest, plan_reads, relay_block, replies, to_relays)
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.geometry import boundaries, common_refinement
 from elastor_mcore.parallel.layout import layout_from_dict
-from elastor_mcore.parallel.shards import layout_shard_infos
+from elastor_mcore.parallel.shards import layout_shard_infos, replica_classes
 
 RECIPE = load_recipe("recipes/tiny-llama.yaml")
 MAX_RANKS = 20
 SEEDS = range(16)
 
 
-def random_layout(seed: int):
-    """1-4 pipelines of 1-3 stages, TP in {1, 2, 4}, on ranks drawn at random from
-    ``range(MAX_RANKS)`` (the rest idle)."""
+def random_layout(seed: int, copies: int = 1, max_ranks: int = MAX_RANKS):
+    """1-4 pipeline shapes (1-3 with ``copies``) of 1-3 stages, TP in {1, 2, 4}, each
+    shape in 1 to ``copies`` pipelines, in a random order, on ranks drawn at random from
+    ``range(max_ranks)`` (the rest idle)."""
     rng = random.Random(seed)
     layers = RECIPE.model.num_layers
     while True:
         shapes = []
-        for _ in range(rng.randint(1, 4)):
+        for _ in range(rng.randint(1, 4 if copies == 1 else 3)):
             stages = rng.randint(1, 3)
             cuts = sorted(rng.sample(range(1, layers), stages - 1))
-            shapes.append([(rng.choice((1, 2, 4)), b - a)
-                           for a, b in zip([0, *cuts], [*cuts, layers])])
+            shape = [(rng.choice((1, 2, 4)), b - a) for a, b in zip([0, *cuts], [*cuts, layers])]
+            shapes += [shape] * (rng.randint(2, copies) if copies > 1 else 1)
         used = sum(tp for shape in shapes for tp, _ in shape)
-        if used <= MAX_RANKS:
+        if used <= max_ranks:
             break
-    ranks = rng.sample(range(MAX_RANKS), used)
+    ranks = rng.sample(range(max_ranks), used)
+    if copies > 1:
+        shapes = rng.sample(shapes, len(shapes))
     pipelines = []
     for shape in shapes:
         stages = []
@@ -87,24 +92,28 @@ def holder_masks(shape, boxes_by_rank) -> np.ndarray:
     return mask
 
 
-def simulate_save(infos, ranks, policy):
+def simulate_save(infos, ranks, policy, replicas=NO_REPLICAS):
     """``writer.plan_save`` for every rank at once: (every unit with its writer, each
-    rank's plan)."""
+    rank's plan). With ``replicas``, only the members ``Replicas.sends`` names send
+    their shards, each owner plans one column of its tensors."""
+    columns = replicas.columns
     outbox: dict[int, dict] = {}
     for rank in ranks:
-        for owner, mine in route(infos[rank], ranks).items():
+        for owner, mine in route(infos[rank], ranks, replicas.sends(rank), columns).items():
             outbox.setdefault(owner, {})[rank] = mine
     totals = {rank: held_bytes(infos[rank]) for rank in ranks}
-    owned = {owner: plan_tensors(inbox, policy) for owner, inbox in outbox.items()}
     parts: dict[int, dict] = {}
-    for owner, (entries, cells) in owned.items():
-        for rank, part in assignments(entries, cells, ranks[0], totals).items():
+    owned = {}
+    for owner, inbox in outbox.items():
+        told, owned[owner] = plan_owned({r: (totals[r], m) for r, m in inbox.items()}, ranks,
+                                        ranks.index(owner), policy, replicas)
+        for rank, part in told.items():
             parts.setdefault(rank, {})[owner] = part
-    plans = {r: merge(r, parts.get(r, {}).values(), file_units(*owned.get(r, ({}, []))))
+    plans = {r: merge(r, parts.get(r, {}).values(), owned.get(r, ()), replicas, infos[r])
              for r in ranks}
     writers = {(u.key, u.box.offset): r for r, p in plans.items() for u in p.units}
-    units = [dataclasses.replace(u, writer=writers[u.key, u.box.offset])
-             for p in plans.values() for u in p.owned]
+    units = [dataclasses.replace(u, writer=writers.get((u.key, u.box.offset), -1))
+             for p in plans.values() for u in p.owned]  # -1: nobody writes it
     return units, plans
 
 
@@ -250,9 +259,125 @@ def test_load_pieces_are_the_whole_job_cells(seed):
 
 
 def test_an_object_sent_to_every_rank_is_pickled_once():
-    """The coordinator of a load sends its step directory to every rank of the job:
-    one pickle, however many ranks (``comm.pickled``), each message still its own."""
+    """A relay of a load's step directory sends it to every rank of its block: one
+    pickle, however many ranks (``comm.pickled``), each message still its own."""
     step_dir, request = "/checkpoints/step_00000010", LoadRequest((), "node0")
     messages = comm.pickled({**dict.fromkeys(range(1, 1000), step_dir), 0: request})
     assert len({id(blob) for blob in messages.values()}) == 2
     assert pickle.loads(messages[999]) == step_dir and pickle.loads(messages[0]) == request
+
+
+def replicated_layout(seed: int):
+    """``random_layout`` with each shape in 2-4 pipelines on up to 40 ranks: replica
+    classes of unequal sizes, stages of different pipelines holding the same layers."""
+    return random_layout(seed, copies=4, max_ranks=40)
+
+
+def claimed(layout, seed: int) -> Replicas:
+    """The layout's replica classes, one of them sometimes left out (its ranks are
+    then classes of their own)."""
+    classes = list(replica_classes(layout))
+    rng = random.Random(seed + 7)
+    if rng.random() < 0.3:
+        classes.pop(rng.randrange(len(classes)))
+    return Replicas(tuple(classes))
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_replica_plan_is_the_plan_of_every_holder(seed):
+    """One member of each class per column sends its shards, owners plan per class,
+    members find their own positions: the same files, holders and writers as the
+    plan from every holder's shards (``build_plan``, positions by class then index),
+    and every member's cells tile its shards."""
+    layout = replicated_layout(seed)
+    ranks = group_order(layout, seed)
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
+    replicas = claimed(layout, seed)
+    policy = ChunkPolicy(chunk_bytes=4096, file_bytes=16384)
+    units, plans = simulate_save(infos, ranks, policy, replicas)
+    whole = build_plan(infos, policy, replicas)
+    assert replicas.columns >= 2 or len(replicas.classes) < len(replica_classes(layout)), seed
+    assert [(r, p.mismatch) for r, p in plans.items() if p.mismatch] == [], seed
+    assert sorted((u.key, u.box.offset, u.holders, u.writer) for u in units) == sorted(
+        (u.key, u.box.offset, u.holders, u.writer) for u in whole.units), seed
+    for rank in ranks:
+        assert sorted((u.key, u.box.offset) for u in plans[rank].units) == sorted(
+            (u.key, u.box.offset) for u in whole.units if u.writer == rank), (seed, rank)
+    assert sorted(k for p in plans.values() for k in p.creates) == sorted(whole.entries)
+    assert plans[ranks[0]].entries == whole.entries, seed
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_false_replica_claim_fails_the_save(seed):
+    """Two classes whose shards differ claimed as one: a member is told cells that do
+    not tile its shards (or an owner finds a tensor uncovered), never a plan that
+    writes a wrong file."""
+    layout = next(layout for layout in map(replicated_layout, itertools.count(seed, 100))
+                  if len(replica_classes(layout)) >= 2)
+    ranks = group_order(layout, seed)
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
+    classes = list(replica_classes(layout))
+    rng = random.Random(seed)
+    a, b = rng.sample(range(len(classes)), 2)
+    assert infos[classes[a][0]] != infos[classes[b][0]]
+    wrong = [c for i, c in enumerate(classes) if i not in (a, b)]
+    replicas = Replicas((*wrong, tuple(sorted(classes[a] + classes[b]))))
+    try:
+        _, plans = simulate_save(infos, ranks, ChunkPolicy(chunk_bytes=4096), replicas)
+    except CheckpointError:
+        return
+    assert any(p.mismatch for p in plans.values()), seed
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_load_with_replicas_plans_each_column_alone(seed):
+    """With replica classes each rank's load pieces are the cells of the common
+    refinement of its column's targets (member ``i`` of a class in column
+    ``i % columns``), each read by one of the column's holders."""
+    layout = replicated_layout(seed)
+    ranks = group_order(layout, seed)
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
+    replicas = Replicas(replica_classes(layout))
+    column = {r: replicas.of(r)[1] % replicas.columns for r in ranks}
+    outbox: dict[int, dict] = {}
+    for rank in ranks:
+        for owner, mine in route(infos[rank], ranks, (column[rank],),
+                                 replicas.columns).items():
+            outbox.setdefault(owner, {})[rank] = LoadRequest(tuple(mine), f"host{rank % 3}")
+    pieces: dict[int, list] = {}
+    for inbox in outbox.values():
+        for rank, part in plan_reads(inbox).items():
+            pieces.setdefault(rank, []).extend(part)
+    for j in range(replicas.columns):
+        members = [r for r in ranks if column[r] == j]
+        cells = common_refinement({r: infos[r] for r in members})
+        for rank in members:
+            got = sorted((p.key, p.box.offset, p.box.shape, p.reader in members)
+                         for p in pieces.get(rank, []))
+            assert got == sorted((c.key, c.box.offset, c.box.shape, True)
+                                 for c in cells if rank in c.holders), (seed, rank)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 10, 17, 1000, 16016])
+def test_the_step_directory_reaches_every_rank_through_relays(count):
+    """The coordinator sends the step directory to the first rank of each block, which
+    sends it to the rest of its block (``reader.plan_load``): every rank gets it, and
+    no rank sends more than a block's worth of messages (about sqrt(count))."""
+    ranks = random.Random(count).sample(range(3 * count), count)
+    step_dir = "/checkpoints/step_00000007"
+    first = to_relays({}, ranks, step_dir)
+    block = relay_block(count)
+    assert block * block >= count and (block - 1) ** 2 < count
+    assert len(first) <= block
+    second: dict[int, dict] = {}
+    for position, rank in enumerate(ranks):
+        known = first[rank] if rank in first else None
+        assert (known is not None) == (position % block == 0), (count, position)
+        out = replies({}, ranks, position, known)
+        assert len(out) < block
+        for dest, message in out.items():
+            second.setdefault(dest, {})[rank] = message
+    for position, rank in enumerate(ranks):
+        if position % block:
+            relay = ranks[position - position % block]
+            assert second[rank][relay][1] == step_dir, (count, position)

@@ -15,7 +15,7 @@ _EXPORTS = {
     "errors": ("CheckpointError",),
     "format": ("FORMAT_VERSION", "ChunkPolicy", "Manifest", "TensorEntry",
                "check_compatible", "committed_steps", "latest_step"),
-    "plan": ("LocalShard", "WritePlan", "WriteUnit", "assign_writers"),
+    "plan": ("LocalShard", "Replicas", "WritePlan", "WriteUnit", "assign_writers"),
     "manager": ("CheckpointManager", "SavePolicy", "SaveReport"),
     "reader": ("CheckpointReader", "TensorInfo", "load", "open"),
     "store": ("storage_bytes_read",),

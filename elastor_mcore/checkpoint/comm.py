@@ -152,8 +152,8 @@ class Comm:
                  error: BaseException | None = None) -> dict[int, Any]:
         """Send ``outgoing[r]`` to each rank ``r``; returns what the ranks that sent
         this rank something sent, by sender. A sparse all-to-all: one
-        ``all_to_all_single`` of sizes (8 bytes per rank of the group), one of the
-        pickled messages. With ``error``, this rank sends it to every rank instead,
+        ``all_to_all_single`` of sizes (4 bytes per rank of the group: the one part
+        that grows with the job, so 32 bits, not 64), one of the pickled messages. With ``error``, this rank sends it to every rank instead,
         and every rank raises ``CheckpointError`` naming every failed rank."""
         if error is not None:
             outgoing = dict.fromkeys(self.ranks, Failed(describe(error)))
@@ -174,7 +174,10 @@ class Comm:
         messages = pickled({r: m for r, m in outgoing.items() if r != self.rank})
         blobs = [messages.get(r, b"") for r in self.ranks]
         send_sizes = [len(b) for b in blobs]
-        sizes = torch.tensor(send_sizes, dtype=torch.int64, device=device)
+        if max(send_sizes, default=0) >= 2**31:
+            raise CheckpointError(f"a plan message of {max(send_sizes)} bytes: at most 2 GiB "
+                                  f"fit the exchange's 32-bit sizes")
+        sizes = torch.tensor(send_sizes, dtype=torch.int32, device=device)
         receive_sizes = torch.empty_like(sizes)
         dist.all_to_all_single(receive_sizes, sizes, group=self.group)
         receive_sizes = receive_sizes.tolist()

@@ -25,11 +25,11 @@ from elastor_mcore.checkpoint.background import BackgroundSave, WriteJob, discar
 from elastor_mcore.checkpoint.format import (
     CheckpointError, ChunkPolicy, latest_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
-from elastor_mcore.checkpoint.plan import LocalShard, WritePlan
+from elastor_mcore.checkpoint.plan import NO_REPLICAS, LocalShard, Replicas, WritePlan
 from elastor_mcore.checkpoint.staging import HostStaging
 from elastor_mcore.checkpoint.storage import as_path, retrying, storage_for
 from elastor_mcore.checkpoint.writer import (
-    check_step, open_tmp, plan_save, point_latest, unit_sources, validate, wait_for_pruning)
+    check_step, open_tmp, plan_save, plan_sources, point_latest, validate, wait_for_pruning)
 from elastor_mcore.config.run import SaveOptions
 
 log = logging.getLogger(__name__)
@@ -76,13 +76,16 @@ class SaveReport:
 
 
 class CheckpointManager:
-    """Saves ``root/step_<N>`` for every rank of ``group`` (default: the world)."""
+    """Saves ``root/step_<N>`` for every rank of ``group`` (default: the world);
+    ``replicas``: which ranks hold the same shards (``plan.Replicas``)."""
 
     def __init__(self, root: str | os.PathLike, group=None,
                  chunking: ChunkPolicy | None = None,
-                 policy: SavePolicy = SavePolicy()) -> None:
+                 policy: SavePolicy = SavePolicy(),
+                 replicas: Replicas = NO_REPLICAS) -> None:
         self.root = as_path(root)
         self.group = group
+        self.replicas = replicas
         self.chunking = chunking or ChunkPolicy()
         self.policy = policy
         self.failures: list[CheckpointError] = []
@@ -109,7 +112,7 @@ class CheckpointManager:
         if not self.policy.asynchronous:
             try:
                 writer.save(self.root, step, shards, manifest_extra, self.group,
-                            self.policy.keep, self.chunking)
+                            self.policy.keep, self.chunking, self.replicas)
             except CheckpointError as exc:
                 self._failed(exc, step)
             return SaveReport(step, time.perf_counter() - start)
@@ -181,9 +184,10 @@ class CheckpointManager:
             self._failed(exc, step)
             return None
         if changed:  # a run's fixed layout plans once
-            self._plan_cache = (digest, plan_save(ranks, infos, self.chunking, what))
+            self._plan_cache = (digest, plan_save(ranks, infos, self.chunking, what,
+                                                  replicas=self.replicas))
         plan = self._plan_cache[1]
-        staged = self._staging.stage(unit_sources(plan.units, shards))
+        staged = self._staging.stage(plan_sources(plan, shards))
         keep, root = self.policy.keep, self.root
         return BackgroundSave(WriteJob(
             step=step, tmp=storage.staging_dir(path, f"{token:08x}"),

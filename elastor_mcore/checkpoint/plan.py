@@ -8,11 +8,23 @@ ranks that hold it, as DCP plans: each rank's local plan (``route``: its shard
 descriptions, by owner), the owners' global plan of their tensors (``build_plan``),
 and each rank's part of it (``assignments``, ``merge``). A rank's work and messages
 follow the tensors it holds and owns, not the size of the job.
+
+Data-parallel replicas hold the same boxes, so an owner hearing from every holder
+would hear the same boxes from each replica (728 holders of each tensor of Llama 3
+405B on 16,384 GPUs). Where the caller says which ranks hold the same shards
+(``Replicas``, from the layout every rank knows), each tensor is planned in
+``Replicas.columns`` *columns*: the owner of a column hears from one member of each
+class and tells a share of each class its part, expressed per class (where the class
+starts in a cell's holder set; each member adds its own index), so an owner's work
+follows the distinct boxes of its tensors, not their copies. Every column computes
+the same plan, and each member checks that the cells it is told tile its own shards
+(``uncovered``), so a wrong claim fails the save instead of writing a wrong file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import heapq
 import itertools
@@ -88,7 +100,11 @@ class WritePlan:
     creates: tuple[str, ...] = ()
     """Arrays whose metadata this rank creates (``metadata_creators``)."""
     owned: tuple[WriteUnit, ...] = ()
-    """Every unit of the tensors this rank planned as their owner (``merge``)."""
+    """Every unit of the tensors this rank planned as their owner (of column 0,
+    ``merge``)."""
+    mismatch: str | None = None
+    """Why the cells this rank was told do not tile its shards (``uncovered``): its
+    part of the save fails, and so the save."""
 
     def bytes_by_rank(self) -> dict[int, int]:
         load: dict[int, int] = {}
@@ -140,18 +156,100 @@ def _key_hash(key: str) -> int:
     return zlib.crc32(key.encode())
 
 
-def owner_of(key: str, ranks: Sequence[int]) -> int:
-    """The rank of ``ranks`` that plans tensor ``key``: spread by a hash of the key,
-    so a job's tensors spread over its ranks and each rank owns few."""
-    return ranks[_key_hash(key) % len(ranks)]
+@dataclass(frozen=True)
+class Replicas:
+    """Classes of ranks that hold the same shards (the same keys, boxes and dtypes):
+    a layout's data-parallel replicas of one stage and TP rank, where the optimizer
+    state is not sharded over them. Ranks in no class are classes of their own; with
+    no classes every rank is its own and each tensor has one owner (one column).
+
+    A class of ``n`` members takes part in ``min(n, columns)`` columns: its member
+    ``i`` of the first ones sends its shards to the owners of the columns ``j`` with
+    ``j % min(n, columns) == i``, and every member hears from the column after its own
+    (``column``), whose shards another member sent: a member whose shards differ
+    from its class's finds that the cells it is told do not tile its shards."""
+
+    classes: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        seen: set[int] = set()
+        for members in self.classes:
+            if not members or list(members) != sorted(set(members)) or seen & set(members):
+                raise CheckpointError(
+                    f"replica class {members[:8]}: each class must be a non-empty, sorted "
+                    f"tuple of distinct ranks, no rank in two classes")
+            seen.update(members)
+
+    @functools.cached_property
+    def _index(self) -> dict[int, tuple[tuple[int, ...], int]]:
+        return {rank: (members, i) for members in self.classes
+                for i, rank in enumerate(members)}
+
+    @functools.cached_property
+    def columns(self) -> int:
+        """How many owners plan each tensor: the smallest class's size."""
+        return min((len(c) for c in self.classes), default=1)
+
+    def check(self, ranks: Sequence[int]) -> None:
+        """Raise ``CheckpointError`` naming a class member outside the group."""
+        outside = set(self._index) - set(ranks)
+        if outside:
+            raise CheckpointError(
+                f"replica classes name rank(s) {sorted(outside)[:8]} outside the group of "
+                f"the save or load; build the classes from the group's own layout")
+
+    def of(self, rank: int) -> tuple[tuple[int, ...], int]:
+        """``rank``'s class and its index in it."""
+        return self._index.get(rank, ((rank,), 0))
+
+    def _share(self, members: tuple[int, ...]) -> int:
+        return min(len(members), self.columns)
+
+    def sends(self, rank: int) -> range:
+        """The columns whose owners ``rank`` sends its shards to (none for a member
+        past the class's first ``columns``)."""
+        members, i = self.of(rank)
+        share = self._share(members)
+        return range(i, self.columns, share) if i < share else range(0)
+
+    def column(self, rank: int) -> int:
+        """The column whose owner tells ``rank`` its part."""
+        members, i = self.of(rank)
+        return (i + 1) % self._share(members)
+
+    def told(self, members: tuple[int, ...], column: int) -> tuple[int, ...]:
+        """The members of a class that the owner of ``column`` tells their part."""
+        share = self._share(members)
+        return members[(column - 1) % share::share] if column < share else ()
 
 
-def route(infos: Iterable[ShardInfo], ranks: Sequence[int]) -> dict[int, list[ShardInfo]]:
-    """A rank's local plan: its shard descriptions, by the owner of each tensor (a
-    save sends ``held_bytes`` with them)."""
+NO_REPLICAS = Replicas()
+
+
+def owner_of(key: str, ranks: Sequence[int], column: int = 0, columns: int = 1) -> int:
+    """The rank of ``ranks`` that plans column ``column`` of tensor ``key``: column
+    ``j`` of every tensor is planned in the ``j``-th of ``columns`` slices of
+    ``ranks``, spread over it by a hash of the key, so a job's tensors spread over its
+    ranks and each rank owns few, and the coordinator hears the entries (column 0)
+    from one slice's ranks, not from as many ranks as there are tensors."""
+    width = max(1, len(ranks) // columns)
+    return ranks[column * width + _key_hash(key) % width]
+
+
+def column_of(position: int, count: int, columns: int) -> int:
+    """The column that the rank at ``position`` of ``count`` ranks owns tensors of
+    (``owner_of`` backwards)."""
+    return position // max(1, count // columns)
+
+
+def route(infos: Iterable[ShardInfo], ranks: Sequence[int], columns: Iterable[int] = (0,),
+          count: int = 1) -> dict[int, list[ShardInfo]]:
+    """A rank's local plan: its shard descriptions, by the owner of each column
+    ``columns`` (of ``count``) of each tensor (a save sends ``held_bytes`` with them)."""
     out: dict[int, list[ShardInfo]] = {}
     for info in infos:
-        out.setdefault(owner_of(info.key, ranks), []).append(info)
+        for column in columns:
+            out.setdefault(owner_of(info.key, ranks, column, count), []).append(info)
     return out
 
 
@@ -199,10 +297,11 @@ def file_units(entries: dict[str, TensorEntry], cells: Iterable[Cell]) -> list[W
 class Held:
     """A cell, or one of its files, as one of its holders learns it from the tensor's
     owner (one per cell: the holder cuts it into files itself, ``files_of``): which
-    holder set it belongs to (``group``, a hash of the ranks, and their number), where this
-    holder stands in it, and how many bytes each member holds in all (``weights``:
-    runs of ``(bytes, members)`` in position order), but not the ranks themselves (a
-    set may span the job)."""
+    holder set it belongs to (``group``, a hash of its classes, and its number of
+    ranks), where this holder stands in it, and how many bytes each member holds in
+    all (``weights``: runs of ``(bytes, members)`` in position order), but not the
+    ranks themselves (a set may span the job). From an owner, ``position`` is where
+    the holder's class starts in the set; ``merge`` adds the holder's index in it."""
 
     key: str
     box: Box
@@ -213,9 +312,10 @@ class Held:
     weights: tuple[tuple[int, int], ...]
 
 
-def holder_group(holders: Sequence[int]) -> int:
-    """A 64-bit name of a holder set, the same in every process."""
-    data = b"".join(r.to_bytes(4, "little") for r in holders)
+def holder_group(signature: Sequence[tuple[int, int]]) -> int:
+    """A 64-bit name of a holder set, the same in every process, from its classes
+    (first member, members holding) in position order."""
+    data = b"".join(n.to_bytes(4, "little") for pair in signature for n in pair)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
@@ -248,24 +348,39 @@ def writer_positions(units: Sequence[Held]) -> list[int]:
     return out
 
 
-def held_cells(cells: Iterable[Cell], held_bytes: dict[int, int]) -> dict[int, list[Held]]:
-    """Each holder's view of ``cells``; ``held_bytes``: what each rank holds in all."""
+def _runs(weights: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``(bytes, members)`` pairs with equal neighbours merged."""
+    runs: list[list[int]] = []
+    for weight, count in weights:
+        if runs and runs[-1][0] == weight:
+            runs[-1][1] += count
+        else:
+            runs.append([weight, count])
+    return tuple((w, n) for w, n in runs)
+
+
+def held_cells(cells: Iterable[Cell], held_bytes: dict[int, int],
+               replicas: Replicas = NO_REPLICAS) -> dict[int, list[Held]]:
+    """Each holder's view of ``cells`` (an owner's, from the shards it heard), each
+    holder standing for its class: the set's classes in order of their first member,
+    ``position`` where the holder's class starts, every member weighted by what the
+    holder holds in all (``held_bytes``)."""
     out: dict[int, list[Held]] = {}
-    weights: dict[tuple[int, ...], tuple[tuple[int, int], ...]] = {}
+    views: dict[tuple[int, ...], list[tuple[int, Held]]] = {}
     for cell in cells:
-        group = holder_group(cell.holders)
-        if cell.holders not in weights:  # one object per set: pickled once per message
-            runs: list[list[int]] = []
-            for rank in cell.holders:
-                if runs and runs[-1][0] == held_bytes[rank]:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([held_bytes[rank], 1])
-            weights[cell.holders] = tuple((w, n) for w, n in runs)
-        for position, rank in enumerate(cell.holders):
-            out.setdefault(rank, []).append(Held(cell.key, cell.box, 0, group,
-                                                 len(cell.holders), position,
-                                                 weights[cell.holders]))
+        view = views.get(cell.holders)
+        if view is None:
+            classes = sorted((replicas.of(rank)[0], rank) for rank in cell.holders)
+            signature = [(members[0], len(members)) for members, _ in classes]
+            group, total = holder_group(signature), sum(n for _, n in signature)
+            weights = _runs((held_bytes[rank], len(members)) for members, rank in classes)
+            starts = itertools.accumulate([0] + [n for _, n in signature])
+            view = views[cell.holders] = [
+                (rank, Held("", Box((), ()), 0, group, total, start, weights))
+                for (_, rank), start in zip(classes, starts)]
+        for rank, held in view:
+            out.setdefault(rank, []).append(dataclasses.replace(held, key=cell.key,
+                                                                box=cell.box))
     return out
 
 
@@ -281,17 +396,35 @@ def held_bytes(infos: Iterable[ShardInfo]) -> int:
     return sum(info.box.numel * DTYPE_ITEMSIZE.get(info.dtype, 1) for info in infos)
 
 
-def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]],
-               policy: ChunkPolicy) -> WritePlan:
-    """The whole plan of the tensors in ``infos_by_rank``, in one process: what the
-    ranks of a save compute between them (``plan_tensors`` by the owners,
-    ``writer_positions`` by the holders)."""
+def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]], policy: ChunkPolicy,
+               replicas: Replicas = NO_REPLICAS) -> WritePlan:
+    """The whole plan of the tensors in ``infos_by_rank``, in one process, from every
+    holder's shards (what the ranks of a save compute between them, from one member
+    of each class: ``plan_tensors`` by the owners, ``writer_positions`` by the
+    holders): each cell's holders in order of their class (its first member), then
+    of their index in it."""
     entries, cells = plan_tensors(infos_by_rank, policy)
-    writers: dict[tuple[str, tuple[int, ...]], int] = {}
     totals = {rank: held_bytes(infos) for rank, infos in infos_by_rank.items()}
-    for rank, mine in held_cells(cells, totals).items():
-        held = files_of(mine, entries)
-        for unit, position in zip(held, writer_positions(held)):
+    views: dict[tuple[int, ...], dict[int, Held]] = {}
+    held: dict[int, list[Held]] = {}
+    for cell in cells:
+        view = views.get(cell.holders)
+        if view is None:
+            ordered = sorted(cell.holders,
+                             key=lambda r: (replicas.of(r)[0][0], replicas.of(r)[1]))
+            firsts = [replicas.of(rank)[0][0] for rank in ordered]
+            group = holder_group([(f, firsts.count(f)) for f in dict.fromkeys(firsts)])
+            weights = _runs((totals[rank], 1) for rank in ordered)
+            view = views[cell.holders] = {
+                rank: Held("", Box((), ()), 0, group, len(ordered), position, weights)
+                for position, rank in enumerate(ordered)}
+        for rank, template in view.items():
+            held.setdefault(rank, []).append(dataclasses.replace(template, key=cell.key,
+                                                                 box=cell.box))
+    writers: dict[tuple[str, tuple[int, ...]], int] = {}
+    for rank, mine in held.items():
+        files = files_of(mine, entries)
+        for unit, position in zip(files, writer_positions(files)):
             if position == unit.position:
                 writers[unit.key, unit.box.offset] = rank
     units = [WriteUnit(u.key, u.box, u.holders, u.nbytes, writers[u.key, u.box.offset])
@@ -317,32 +450,100 @@ class Assignment:
 
 
 def assignments(entries: dict[str, TensorEntry], cells: Sequence[Cell],
-                coordinator: int, totals: dict[int, int]) -> dict[int, Assignment]:
-    """An owner's plan (``plan_tensors``) cut into each holder's part; ``totals``:
-    what each holder holds in all (it sent ``held_bytes`` with its shards)."""
-    out = {rank: Assignment({k: entries[k] for k in sorted({c.key for c in held})},
-                            tuple(held))
-           for rank, held in sorted(held_cells(cells, totals).items())}
-    if entries:
-        out[coordinator] = Assignment(dict(entries), out.get(coordinator,
-                                                             Assignment({})).held)
-    return out
+                coordinator: int, totals: dict[int, int], replicas: Replicas = NO_REPLICAS,
+                column: int = 0) -> dict[int, Assignment]:
+    """An owner's plan of column ``column`` of its tensors (``plan_tensors``, from one
+    member of each class) cut into each holder's part: one per class, told to the
+    members that hear from that column (``Replicas.told``), the same object for all
+    of them (pickled once); ``totals``: what each sender holds in all (it sent
+    ``held_bytes`` with its shards). The coordinator gets the entries of column 0,
+    for the manifest."""
+    bundles: dict[tuple[int, ...], list[Held]] = {}
+    for sender, held in held_cells(cells, totals, replicas).items():
+        bundles.setdefault(replicas.of(sender)[0], []).extend(held)
+    out: dict[int, Assignment] = {}
+    for members, held in sorted(bundles.items()):
+        part = Assignment({k: entries[k] for k in sorted({c.key for c in held})}, tuple(held))
+        out.update(dict.fromkeys(replicas.told(members, column), part))
+    if entries and not column:
+        mine = out.get(coordinator, Assignment({}))
+        out[coordinator] = Assignment({**mine.entries, **entries}, mine.held)
+    return dict(sorted(out.items()))
 
 
-def merge(rank: int, parts: Iterable[Assignment],
-          owned: Sequence[WriteUnit] = ()) -> WritePlan:
+def plan_owned(received: dict[int, tuple[int, Sequence[ShardInfo]]], ranks: Sequence[int],
+               position: int, policy: ChunkPolicy, replicas: Replicas = NO_REPLICAS
+               ) -> tuple[dict[int, Assignment], list[WriteUnit]]:
+    """An owner's part of a save's plan step, at ``position`` in ``ranks`` (the first
+    coordinates): from what the senders sent (``received``: what each holds in all,
+    and its shards of the tensors this rank owns a column of), each holder's part
+    (``assignments``) and, as an owner of column 0, its tensors' units
+    (``WritePlan.owned``). Raises ``CheckpointError`` where the shards disagree."""
+    column = column_of(position, len(ranks), replicas.columns)
+    entries, cells = plan_tensors({r: m for r, (_, m) in received.items()}, policy)
+    parts = assignments(entries, cells, ranks[0], {r: t for r, (t, _) in received.items()},
+                        replicas, column)
+    return parts, file_units(entries, whole_cells(cells, replicas)) if not column else []
+
+
+def whole_cells(cells: Iterable[Cell], replicas: Replicas = NO_REPLICAS) -> list[Cell]:
+    """An owner's cells with every member of each holder's class among the holders."""
+    if not replicas.classes:
+        return list(cells)
+    return [dataclasses.replace(cell, holders=tuple(sorted(
+        rank for holder in cell.holders for rank in replicas.of(holder)[0])))
+        for cell in cells]
+
+
+def uncovered(infos: Sequence[ShardInfo], entries: dict[str, TensorEntry],
+              cells: Iterable[Held]) -> str | None:
+    """What is wrong with the cells a rank was told against its own shards, or None
+    when they tile them exactly (and the entries fit them). Where ranks claimed to
+    hold the same shards (``Replicas``) and do not, a member is told cells cut from
+    another member's shards, and this says so before anything is written."""
+    boxes: dict[str, list[ShardInfo]] = {}
+    for info in infos:
+        boxes.setdefault(info.key, []).append(info)
+    filled = {id(info): 0 for info in infos}
+    for cell in cells:
+        inside = [info for info in boxes.get(cell.key, ()) if info.box.contains(cell.box)]
+        if not inside:
+            return (f"tensor {cell.key}: told to hold {cell.box}, outside this rank's "
+                    f"shards of it")
+        for info in inside:
+            filled[id(info)] += cell.box.numel
+    for info in infos:
+        entry = entries.get(info.key)
+        if filled[id(info)] != info.box.numel or (entry is None and info.box.numel):
+            return (f"tensor {info.key}: the cells planned for this rank do not tile its "
+                    f"box {info.box}")
+        if entry is not None and (entry.shape, entry.dtype) != (tuple(info.global_shape),
+                                                                info.dtype):
+            return (f"tensor {info.key}: planned as {entry.dtype} {entry.shape}, held as "
+                    f"{info.dtype} {tuple(info.global_shape)}")
+    return None
+
+
+def merge(rank: int, parts: Iterable[Assignment], owned: Sequence[WriteUnit] = (),
+          replicas: Replicas = NO_REPLICAS,
+          infos: Sequence[ShardInfo] | None = None) -> WritePlan:
     """This rank's plan from the owners' ``assignments``: the units it writes
-    (``writer_positions``), the arrays whose first file it writes (it creates their
-    metadata), and, as an owner, its tensors' units."""
+    (``writer_positions``, at its own position: its class's start plus its index in
+    it), the arrays whose first file it writes (it creates their metadata), and, as
+    an owner, its tensors' units. With its ``infos``, whether what it was told tiles
+    its shards (``WritePlan.mismatch``)."""
     entries: dict[str, TensorEntry] = {}
     cells: list[Held] = []
     for part in parts:
         entries.update(part.entries)
         cells.extend(part.held)
+    index = replicas.of(rank)[1]
     held = files_of(cells, entries)
     units = sorted((WriteUnit(h.key, h.box, (), h.nbytes, rank)
                     for h, position in zip(held, writer_positions(held))
-                    if position == h.position), key=lambda u: (u.key, u.box.offset))
+                    if position == h.position + index), key=lambda u: (u.key, u.box.offset))
     plan = WritePlan(dict(sorted(entries.items())), units, owned=tuple(owned))
     plan.creates = tuple(sorted(metadata_creators(plan)))
+    if infos is not None:
+        plan.mismatch = uncovered(infos, entries, cells)
     return plan

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from elastor_mcore.checkpoint import comm, fast_read
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, Manifest, TensorEntry, read_manifest, resolve_step_dir)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
-from elastor_mcore.checkpoint.plan import LocalShard, WriteUnit, assign_writers, route
+from elastor_mcore.checkpoint.plan import (
+    NO_REPLICAS, LocalShard, Replicas, WriteUnit, assign_writers, route)
 from elastor_mcore.checkpoint.storage import Location, as_path, retrying, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import Box, ShardInfo, common_refinement, local_view
@@ -72,19 +74,22 @@ def open_checkpoint(path: str | os.PathLike) -> CheckpointReader:
 
 
 def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
-         group=None) -> Manifest:
+         group=None, replicas: Replicas = NO_REPLICAS) -> Manifest:
     """Fill every target's ``data`` in place with the checkpoint's bytes for its box.
 
     Called by every rank of ``group`` (default: the world). With a root directory,
     rank 0 of the group picks the step so all ranks read the same one. Bytes that
     several ranks need (data-parallel replicas, TP replicas of norms) are read from
-    storage by one of them and sent to those on other hosts (``SharedReads``).
+    storage by one of them and sent to those on other hosts (``SharedReads``); with
+    ``replicas`` (which ranks hold the same shards, ``plan.Replicas``), within each of
+    its columns (``plan_load``).
     """
     with gc_paused():
-        return _load(path_or_root, targets, group)
+        return _load(path_or_root, targets, group, replicas)
 
 
-def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group) -> Manifest:
+def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
+          replicas: Replicas) -> Manifest:
     """Two job-wide steps: **plan** (the step directory, and every rank's targets to the
     owners of their tensors, who send each holder its reads; ``plan_load``), then the
     reads, then **agree** on every rank's errors; then the shared reads' messages."""
@@ -101,8 +106,12 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group)
     # Without local files there is no page cache to share: every rank is its own.
     cache = (page_cache_id() if storage_for(as_path(path_or_root)).local_files
              else f"rank {ranks.rank}")
+    try:
+        replicas.check(ranks.ranks)
+    except CheckpointError as exc:
+        error = error or exc
     step_dir, shared = plan_load(ranks, targets, cache, step_dir, what, error,
-                                 shares=_carries_cpu(group))
+                                 shares=_carries_cpu(group), replicas=replicas)
     step_dir = as_path(step_dir)
 
     error, manifest = None, None
@@ -123,8 +132,9 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group)
 @dataclass(frozen=True)
 class LoadRequest:
     """What a rank sends the owner of some of its tensors: its targets' boxes of them
-    and its page cache. The coordinator sends every rank the step directory all ranks
-    load: in its request where it has one for that rank, else alone (a string)."""
+    and its page cache. The coordinator sends the relays of the step directory all
+    ranks load (``plan_load``): in its request where it has one for that rank, else
+    alone (a string)."""
 
     infos: tuple[ShardInfo, ...]
     cache: str
@@ -164,37 +174,80 @@ def plan_reads(requests: dict[int, LoadRequest]) -> dict[int, list[ReadPiece]]:
     return pieces
 
 
+def relay_block(count: int) -> int:
+    """How many ranks one relay of the step directory serves in a group of ``count``:
+    about the square root, so that neither the coordinator (one message to each relay)
+    nor a relay (one to each rank of its block) sends to more than that many."""
+    return math.isqrt(max(0, count - 1)) + 1
+
+
+def to_relays(outgoing: dict[int, "LoadRequest | str"], ranks: Sequence[int],
+              step_dir: str | None) -> dict[int, "LoadRequest | str"]:
+    """The coordinator's requests with the step directory added for the first rank of
+    each block (``relay_block``): in its request where it has one for that rank, else
+    alone (a string, the bare path)."""
+    out = dict(outgoing)
+    for relay in ranks[::relay_block(len(ranks))]:
+        out[relay] = (dataclasses.replace(out[relay], step_dir=step_dir) if relay in out
+                      else step_dir)
+    return out
+
+
+def replies(owned: dict[int, list["ReadPiece"]], ranks: Sequence[int], position: int,
+            step_dir: str | None) -> dict[int, tuple[list["ReadPiece"], str | None]]:
+    """An owner's pieces for each holder (``plan_reads``), and from a relay (the rank
+    at ``position`` of ``ranks`` first in its block) the step directory to the other
+    ranks of its block."""
+    out: dict[int, tuple[list[ReadPiece], str | None]] = {
+        rank: (pieces, None) for rank, pieces in owned.items()}
+    block = relay_block(len(ranks))
+    if not position % block:
+        for rank in ranks[position + 1:position + block]:
+            out[rank] = (out.get(rank, ([], None))[0], step_dir)
+    return out
+
+
 def plan_load(ranks: comm.Comm, targets: Sequence[LocalShard], cache: str,
               step_dir: str | None, what: str, error: BaseException | None = None,
-              shares: bool = True) -> tuple[str, "SharedReads"]:
-    """The plan step of a load: the coordinator's ``step_dir`` to every rank, and, where
-    the group carries the bytes (``shares``), every rank's targets to the owners of
-    their tensors and each holder's pieces back (two sparse exchanges). Without
-    ``shares`` each rank plans its own targets alone."""
+              shares: bool = True,
+              replicas: Replicas = NO_REPLICAS) -> tuple[str, "SharedReads"]:
+    """The plan step of a load, two sparse exchanges: the coordinator's ``step_dir``
+    to the first rank of each block of ``relay_block`` ranks and, where the group
+    carries the bytes (``shares``), every rank's targets to the owners of their
+    tensors; then each holder's pieces back from the owners, and the step directory
+    from the first rank of its block (the coordinator sending it to every rank sent
+    1 MB, one message per rank, at 16,016 ranks). Without ``shares`` each rank plans
+    its own targets alone.
+
+    With ``replicas`` the member ``i`` of a class sends its targets to the owners of
+    column ``i % columns``, who plan the reads of the ranks that sent them: storage
+    serves each byte once per column, and a reader sends what it read to the few
+    holders of its column on other hosts, not to every replica of the job. Any
+    split into columns is correct: each rank is planned from its own targets."""
     infos = [t.info() for t in targets]
+    position, block = ranks.ranks.index(ranks.rank), relay_block(len(ranks.ranks))
     outgoing: dict[int, LoadRequest | str] = {}
     if shares:
-        outgoing = {owner: LoadRequest(tuple(mine), cache)
-                    for owner, mine in route(infos, ranks.ranks).items()}
-    if ranks.is_coordinator:  # the bare path where there is nothing else to send
-        outgoing = {rank: dataclasses.replace(outgoing[rank], step_dir=step_dir)
-                    if rank in outgoing else step_dir for rank in ranks.ranks}
+        column = replicas.of(ranks.rank)[1] % replicas.columns
+        outgoing = {owner: LoadRequest(tuple(mine), cache) for owner, mine in route(
+            infos, ranks.ranks, (column,), replicas.columns).items()}
+    if ranks.is_coordinator:
+        outgoing = to_relays(outgoing, ranks.ranks, step_dir)
     received = ranks.exchange(outgoing, what, error)
-    picked = received[ranks.coordinator]
-    step_dir = picked if isinstance(picked, str) else picked.step_dir
-    received = {r: q for r, q in received.items() if isinstance(q, LoadRequest)}
-    if not shares:
-        return step_dir, SharedReads.build(
-            ranks.rank, targets, plan_reads({ranks.rank: LoadRequest(tuple(infos), cache)})
-            .get(ranks.rank, []), ranks.group)
+    if not position % block:
+        picked = received[ranks.coordinator]
+        step_dir = picked if isinstance(picked, str) else picked.step_dir
     owned, error = {}, None
     try:
-        owned = plan_reads(received)
+        owned = plan_reads({r: q for r, q in received.items() if isinstance(q, LoadRequest)})
     except ValueError as exc:  # targets that disagree on a tensor's global shape
         error = CheckpointError(f"targets disagree: {exc}")
-    pieces = ranks.exchange(owned, what, error)
-    return step_dir, SharedReads.build(
-        ranks.rank, targets, [p for part in pieces.values() for p in part], ranks.group)
+    received = ranks.exchange(replies(owned, ranks.ranks, position, step_dir), what, error)
+    if position % block:
+        step_dir = received[ranks.ranks[position - position % block]][1]
+    pieces = [p for part, _ in received.values() for p in part] if shares else plan_reads(
+        {ranks.rank: LoadRequest(tuple(infos), cache)}).get(ranks.rank, [])
+    return step_dir, SharedReads.build(ranks.rank, targets, pieces, ranks.group)
 
 
 @dataclass

@@ -37,8 +37,7 @@ from elastor_mcore.checkpoint.format import (
     committed_steps, parse_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.plan import (
-    LocalShard, WritePlan, WriteUnit, assignments, file_units, held_bytes, merge, plan_tensors,
-    route)
+    NO_REPLICAS, LocalShard, Replicas, WritePlan, WriteUnit, held_bytes, merge, plan_owned, route)
 from elastor_mcore.checkpoint.storage import MANIFEST, TMP_PREFIX, Location, as_path, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import ShardInfo, local_view
@@ -60,35 +59,40 @@ class SaveResult:
 
 def save(root: str | os.PathLike, step: int, shards: Sequence[LocalShard],
          manifest_extra: dict[str, Any] | None = None, group=None, keep: int = 2,
-         chunking: ChunkPolicy | None = None) -> SaveResult:
+         chunking: ChunkPolicy | None = None,
+         replicas: Replicas = NO_REPLICAS) -> SaveResult:
     """Save ``shards`` as ``root/step_<N>`` and point ``root/latest`` at it.
 
     Called by every rank of ``group`` (default: the world) that holds state; replicas
-    may overlap. Keeps the ``keep`` newest committed steps (and always this one).
-    Returns once the step is committed on every rank.
+    may overlap (``replicas``: which ranks hold the same shards, so that one of each
+    class plans for all; ``plan.Replicas``). Keeps the ``keep`` newest committed steps
+    (and always this one). Returns once the step is committed on every rank.
     """
     check_step(step, keep)
     root = as_path(root)
     return write_checkpoint(root / step_dir_name(step), step, shards, manifest_extra,
                             group, chunking, clean_root=True,
-                            on_commit=lambda: point_latest(root, step, keep))
+                            on_commit=lambda: point_latest(root, step, keep),
+                            replicas=replicas)
 
 
 def write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalShard],
                      manifest_extra: dict[str, Any] | None = None, group=None,
                      chunking: ChunkPolicy | None = None, *, clean_root: bool = False,
-                     on_commit: Callable[[], None] | None = None) -> SaveResult:
+                     on_commit: Callable[[], None] | None = None,
+                     replicas: Replicas = NO_REPLICAS) -> SaveResult:
     """Save into exactly ``path`` (atomically replacing it), without a ``latest``
     pointer: the form Megatron-LM's own ``iter_N`` directories need."""
     with gc_paused():
         return _write_checkpoint(path, step, shards, manifest_extra, group, chunking,
-                                 clean_root, on_commit)
+                                 clean_root, on_commit, replicas)
 
 
 def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalShard],
                       manifest_extra: dict[str, Any] | None, group,
                       chunking: ChunkPolicy | None, clean_root: bool,
-                      on_commit: Callable[[], None] | None) -> SaveResult:
+                      on_commit: Callable[[], None] | None,
+                      replicas: Replicas) -> SaveResult:
     path = as_path(path)
     tmp = storage_for(path).staging_dir(path, "")
     ranks = comm.Comm(group)
@@ -104,7 +108,7 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
         error = exc
     try:
         plan = plan_save(ranks, [s.info() for s in shards], chunking or ChunkPolicy(), what,
-                         error)
+                         error, replicas)
     except CheckpointError:
         if coordinator and error is None:
             discard_quietly(tmp)
@@ -112,7 +116,7 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
 
     error = None
     try:
-        write_share(tmp, plan, unit_sources(plan.units, shards), coordinator)
+        write_share(tmp, plan, plan_sources(plan, shards), coordinator)
     except Exception as exc:
         error = exc
     failed, writers = ranks.sum([error is not None, bool(plan.units)])
@@ -130,23 +134,31 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
 
 
 def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy, what: str,
-              error: BaseException | None = None) -> WritePlan:
+              error: BaseException | None = None,
+              replicas: Replicas = NO_REPLICAS) -> WritePlan:
     """The plan step of a save (DCP's: gather local plans, scatter the global one):
-    each rank sends its shard descriptions to the owners of its tensors, each owner
-    plans its tensors (``plan.plan_tensors``) and sends every holder its cells, and
-    the holders cut them into files and choose their writers (``plan.merge``). Two sparse exchanges;
+    each rank sends its shard descriptions to the owners of its tensors (one member
+    of each class of ``replicas`` per column), each owner plans its tensors
+    (``plan.plan_tensors``) and sends every holder its cells, and the holders cut
+    them into files and choose their writers (``plan.merge``), checking the cells
+    against their own shards (``WritePlan.mismatch``). Two sparse exchanges;
     ``error`` (this rank's, before planning) fails the save on every rank."""
-    total = held_bytes(infos)
-    received = ranks.exchange({owner: (total, mine) for owner, mine in
-                               route(infos, ranks.ranks).items()}, what, error)
-    entries, cells, error = {}, [], None
     try:
-        entries, cells = plan_tensors({r: m for r, (_, m) in received.items()}, policy)
+        replicas.check(ranks.ranks)
+    except CheckpointError as exc:
+        error = error or exc
+    total = held_bytes(infos)
+    received = ranks.exchange({owner: (total, mine) for owner, mine in route(
+        infos, ranks.ranks, replicas.sends(ranks.rank), replicas.columns).items()},
+        what, error)
+    parts, owned, error = {}, [], None
+    try:
+        parts, owned = plan_owned(received, ranks.ranks, ranks.ranks.index(ranks.rank),
+                                  policy, replicas)
     except CheckpointError as exc:
         error = exc
-    parts = ranks.exchange(assignments(entries, cells, ranks.coordinator,
-                                       {r: t for r, (t, _) in received.items()}), what, error)
-    return merge(ranks.rank, parts.values(), file_units(entries, cells))
+    replies = ranks.exchange(parts, what, error)
+    return merge(ranks.rank, replies.values(), owned, replicas, infos)
 
 
 def discard_quietly(tmp: Location) -> None:
@@ -176,6 +188,12 @@ def validate(shards: Sequence[LocalShard], step: int,
         Manifest.build(step, {}, 1, manifest_extra).to_json()
 
 
+def plan_sources(plan: WritePlan, shards: Sequence[LocalShard]) -> Sources:
+    """The sources of this rank's units (``unit_sources``); none where its plan does
+    not fit its shards (``WritePlan.mismatch``: ``write_share`` fails it)."""
+    return [] if plan.mismatch else unit_sources(plan.units, shards)
+
+
 def unit_sources(units: Sequence[WriteUnit], shards: Sequence[LocalShard]) -> Sources:
     """Each unit with a view of its box in the local shard that holds it."""
     by_key: dict[str, list[LocalShard]] = {}
@@ -194,7 +212,13 @@ def write_share(tmp: Location, plan: WritePlan, sources: Sources,
     coordinator also the group's): spread over the ranks, as creating 100 arrays'
     metadata took the one rank that did it all 0.05-0.2 s on the save's critical
     path. Nobody waits for the metadata: the data writers create the directories.
-    A rank creates the arrays whose first file it writes (``plan.metadata_creators``)."""
+    A rank creates the arrays whose first file it writes (``plan.metadata_creators``).
+    A plan that does not fit this rank's shards (``WritePlan.mismatch``) fails here,
+    before anything is written."""
+    if plan.mismatch:
+        raise CheckpointError(f"this rank's part of the plan does not fit its shards: "
+                              f"{plan.mismatch}; are the replica classes built from this "
+                              f"job's layout, with the optimizer state unsharded?")
     if coordinator:
         tmp.mkdir(parents=True, exist_ok=True)
         (tmp / "zarr.json").write_text(json.dumps(

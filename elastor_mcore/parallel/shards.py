@@ -129,3 +129,20 @@ def layout_shard_infos(model: "ModelConfig", layout: "Layout", rank: int, dtype:
     return sorted((ShardInfo(prefix + key, shape, _split(shape, dim, tp, t), dtype)
                    for key, (shape, dim) in tensors.items() for prefix in prefixes),
                   key=lambda info: info.key)
+
+
+def replica_classes(layout: "Layout") -> tuple[tuple[int, ...], ...]:
+    """The ranks that hold the same ShardedTensors under ``layout``, with the same
+    boxes (``layout_shard_infos``' geometry: the same layers, TP degree and TP rank,
+    and the same ends of the pipeline): each stage's data-parallel replicas, as
+    ``checkpoint.plan.Replicas`` takes them. Not under ZeRO-1, whose replicas hold
+    different parts of the optimizer state."""
+    classes: dict[tuple, list[int]] = {}
+    for p, pipeline in enumerate(layout.pipelines):
+        last = len(pipeline.stages) - 1
+        for s, stage in enumerate(pipeline.stages):
+            layers = layout.layer_range(p, s)
+            for tp_rank, rank in enumerate(stage.ranks):
+                classes.setdefault((layers.start, layers.stop, s == 0, s == last, stage.tp,
+                                    tp_rank), []).append(rank)
+    return tuple(sorted(tuple(sorted(members)) for members in classes.values()))

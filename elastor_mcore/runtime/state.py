@@ -27,7 +27,8 @@ from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.data import DataConfig
 from elastor_mcore.data.source import fingerprint_change
-from elastor_mcore.parallel.shards import owning_parameter, sharded_tensors, view_like
+from elastor_mcore.parallel.shards import (
+    owning_parameter, replica_classes, sharded_tensors, view_like)
 from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer
 from elastor_mcore.runtime.optimizer import StageOptimizer
 
@@ -67,6 +68,18 @@ def state_shards(model: torch.nn.Module,
             moment = view_like(st.data, param, optimizer.state[main][name])
             shards.append(LocalShard(f"optimizer.{name}.{st.key}", shape, offset, moment))
     return shards
+
+
+def state_replicas(layout: Layout,
+                   optimizer: StageOptimizer | DistributedOptimizer) -> checkpoint.Replicas:
+    """Which ranks hold the same training state (``state_shards``): each stage's
+    data-parallel replicas, so a save plans from one of them (``checkpoint.Replicas``);
+    none under ZeRO-1, whose replicas hold different parts of the optimizer state.
+    Loads do not take them: a load with replicas reads each byte once per column
+    from storage, not once per job (docs/checkpoint-format.md, "Replicas")."""
+    if isinstance(optimizer, DistributedOptimizer):
+        return checkpoint.Replicas()
+    return checkpoint.Replicas(replica_classes(layout))
 
 
 def optimizer_step_count(optimizer: StageOptimizer) -> int:

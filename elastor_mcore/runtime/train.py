@@ -24,7 +24,7 @@ from elastor_mcore import checkpoint, planner
 from elastor_mcore.runtime.state import (
     check_lr_schedule, check_resumable, chunk_policy, data_fields, describe_load,
     ensure_optimizer_state, manifest_fields, restore_non_tensor_state, set_position,
-    state_shards)
+    state_replicas, state_shards)
 from elastor_mcore.config.data import DataConfig
 from elastor_mcore.config.run import RunSettings
 from elastor_mcore.data.samples import (SampleSource, SyntheticTokens, pipeline_sample_indices,
@@ -318,8 +318,9 @@ def resume(runner: StageRunner, load_dir: str, seed: int, data: DataConfig | Non
 
 def checkpoint_manager(runner: StageRunner, cfg: RunConfig) -> checkpoint.CheckpointManager:
     policy = checkpoint.SavePolicy(**asdict(cfg.settings.saving))
-    return checkpoint.CheckpointManager(cfg.settings.save_dir, group=runner.groups.active,
-                                        chunking=chunk_policy(cfg.recipe), policy=policy)
+    return checkpoint.CheckpointManager(
+        cfg.settings.save_dir, group=runner.groups.active, chunking=chunk_policy(cfg.recipe),
+        policy=policy, replicas=state_replicas(runner.groups.layout, runner.optimizer))
 
 
 def save(runner: StageRunner, cfg: RunConfig, saver: checkpoint.CheckpointManager,
