@@ -64,9 +64,14 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 PRE_IMPORTED = contextlib.ExitStack()
-"""The zygote (``elastic.rank.zygote``) whose forks are ``run_world``'s ranks: started
-at the first world of this pytest process, stopped at its end."""
-ZYGOTE_SOCKET: dict[str, str] = {}
+"""Holds the zygote (``elastic.rank.zygote``) whose forks are ``run_world``'s ranks until
+this pytest process ends."""
+
+
+@functools.cache
+def zygote_env() -> dict[str, str]:
+    """The environment pointing keepers to the zygote, started at the first world."""
+    return PRE_IMPORTED.enter_context(prestart.prestarted(True))
 
 
 def pytest_unconfigure(config):
@@ -80,10 +85,8 @@ def run_world(nproc: int, module: str, args: list[str], timeout: float = 240):
     ``elastor launch`` starts them: each rank of a cold world pays seconds of CPU
     importing torch and Megatron-Core, and the suite starts hundreds of ranks. What a
     user's command starts (``elastor train``, ``pretrain_gpt.py``) the tests run cold."""
-    if not ZYGOTE_SOCKET:
-        ZYGOTE_SOCKET.update(PRE_IMPORTED.enter_context(prestart.prestarted(True)))
     env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           **ZYGOTE_SOCKET}
+           **zygote_env()}
     result = run_torchrun(nproc, prestart.KEEPER, [module, *args], timeout=timeout,
                           capture=True, env=env)
     if result.returncode:

@@ -7,9 +7,9 @@ It imports no torch and only starts the rank (``MODULE`` with its ``ARGS``) and 
   pre-imported worker (``zygote``, which the launcher starts once), the rank is forked
   from it, torch and Megatron-Core already imported; else (or if the zygote is not
   there within ``ZYGOTE_WAIT_S``) from this process, importing them itself. The keeper
-  forwards SIGINT and SIGTERM to a rank from the zygote (a forked rank is in the
-  keeper's process group and gets them itself), and a rank from the zygote dies with
-  the keeper's connection.
+  forwards SIGINT and SIGTERM to a rank from the zygote and its process group (a
+  forked rank is in the keeper's process group and gets them itself), and a rank from
+  the zygote dies with the keeper's connection.
 - **Its exit code.** The rank exits 0: so does the keeper. The rank exits non-zero (an
   error, or a recovery in place that failed): so does the keeper; torchrun then stops
   the launch and the supervisor relaunches. The rank ends by a signal (a crash,
