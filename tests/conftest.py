@@ -83,7 +83,7 @@ def run_world(nproc: int, module: str, args: list[str], timeout: float = 240):
 
     Its ranks are forked from this pytest process's zygote, under keepers, as
     ``elastor launch`` starts them: each rank of a cold world pays seconds of CPU
-    importing torch and Megatron-Core, and the suite starts hundreds of ranks. What a
+    importing torch and Megatron-Core, and the suite runs dozens of worlds. What a
     user's command starts (``elastor train``, ``pretrain_gpt.py``) the tests run cold."""
     env = {"PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            **zygote_env()}
