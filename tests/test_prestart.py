@@ -36,6 +36,10 @@ if __name__ == "__main__":  # not in a multiprocessing child, which imports this
         time.sleep(60)
     if sys.argv[1] == "signal":
         os.kill(os.getpid(), 9)
+    if sys.argv[1] == "logging":  # configures logging as a fresh interpreter lets it
+        import logging
+        logging.basicConfig(level=logging.INFO, format="logged: %(message)s")
+        logging.getLogger("probe").info("an info line")
     if sys.argv[1] == "pool":  # left running: its idle workers end at exit
         concurrent.futures.ThreadPoolExecutor(2).submit(time.sleep, 0.1).result()
     sys.exit(int(sys.argv[1]) if sys.argv[1].isdigit() else 0)
@@ -66,6 +70,15 @@ def test_a_rank_from_the_zygote_finds_torch_imported(zygote, tmp_path):
     assert keeper(tmp_path, zygote, "probe_rank", "0").returncode == 0
     print(f"a keeper and its rank from the zygote, start to exit: "
           f"{time.perf_counter() - started:.2f}s")
+
+
+def test_a_rank_configures_logging_as_a_fresh_interpreter_would(zygote, tmp_path):
+    """The zygote's own logging set-up (a root handler at WARNING) is not the rank's:
+    ``logging.basicConfig`` in the rank takes effect, as Megatron-LM's does."""
+    for env in (zygote, {}):  # from the zygote, and forked by the keeper itself
+        result = keeper(tmp_path, env, "probe_rank", "logging")
+        assert result.returncode == 0, result.stderr
+        assert result.stderr.splitlines() == ["logged: an info line"], (env, result.stderr)
 
 
 def test_a_signal_is_the_keepers_code_unless_in_place(zygote, tmp_path):

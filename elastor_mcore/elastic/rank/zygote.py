@@ -89,7 +89,18 @@ def become(request: dict, fds: list[int], close: list[int]) -> None:
     importlib.invalidate_caches()
     sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+    forget_logging_setup()
     run_child(request["module"], request["argv"])
+
+
+def forget_logging_setup() -> None:
+    """Leave the root logger as a fresh interpreter has it (no handler, WARNING), not
+    as ``main`` set it up: otherwise the rank's own ``logging.basicConfig`` (Megatron-LM
+    calls it) does nothing, and its INFO lines are lost."""
+    root = logging.getLogger()
+    for handler in root.handlers[:]:
+        root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
 
 
 class Zygote:
