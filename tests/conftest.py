@@ -29,9 +29,12 @@ SHARED_WORLDS = ("train_world", "mcore_world", "single_process_reference")
 def pytest_configure(config):
     """Draw ``test_random_layouts``' base seed once, in the controlling process: every
     pytest-xdist worker collects the suite itself and inherits this environment, and
-    the workers must agree on the test ids the seed is part of."""
+    the workers must agree on the test ids the seed is part of. With
+    ``--record-unit-seconds`` it also times the work units there (``UnitSeconds``)."""
     if not hasattr(config, "workerinput"):
         os.environ.setdefault("ELASTOR_LAYOUT_SEED", str(time.time_ns() % 1_000_000))
+        if config.getoption("--record-unit-seconds"):
+            config.pluginmanager.register(UnitSeconds(config), "unit-seconds")
 
 
 @functools.cache
@@ -47,18 +50,62 @@ def shared_world_of(module_path: Path) -> str | None:
     return next((world for world in SHARED_WORLDS if world in names), None)
 
 
+def work_unit(config, nodeid: str) -> str:
+    """What one xdist worker runs whole: a test module, or the modules that share one
+    session world (named after it)."""
+    module = nodeid.split("::", 1)[0]
+    return shared_world_of(config.rootpath / module) or module
+
+
+UNIT_SECONDS = Path(__file__).with_name("unit_seconds.json")
+"""Each work unit's seconds in a recorded run (``pytest --record-unit-seconds``): the
+scheduler hands out the longest first, so that the run does not end on one worker
+with a long module still to go. A unit it does not list counts 0 s (it goes last)."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-unit-seconds", action="store_true",
+                     help=f"write each work unit's seconds (setup, call and teardown of "
+                          f"its tests) into {UNIT_SECONDS.name}, keeping the units this "
+                          f"run did not run")
+
+
+class UnitSeconds:
+    """Adds up, in the controlling process, the seconds of every test report per work
+    unit, and writes them at the end of the session."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        unit = work_unit(self.config, report.nodeid)
+        self.seconds[unit] = self.seconds.get(unit, 0.0) + report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        recorded = json.loads(UNIT_SECONDS.read_text()) if UNIT_SECONDS.exists() else {}
+        recorded.update({unit: round(s, 1) for unit, s in self.seconds.items()})
+        UNIT_SECONDS.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
+
+
 def pytest_xdist_make_scheduler(config, log):
     """Under pytest-xdist (``-n 2``; pytest.ini) each test module runs whole on one
     worker, so that its module-scoped worlds run once, and the modules that share a
     session world run on the same worker, so that it runs once. The suite mostly
     waits on torchrun worlds starting, supervisors polling and timeouts running out:
-    two workers overlap that."""
+    two workers overlap that. Units go out longest first (``UNIT_SECONDS``)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    seconds = json.loads(UNIT_SECONDS.read_text()) if UNIT_SECONDS.exists() else {}
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return shared_world_of(config.rootpath / module) or module
+            return work_unit(config, nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            longest = max(self.workqueue, key=lambda unit: seconds.get(unit, 0.0))
+            self.workqueue.move_to_end(longest, last=False)
+            super()._assign_work_unit(node)
 
     return ModuleScheduling(config, log)
 
