@@ -5,10 +5,17 @@ The checkout named by ``MEGATRON_LM_DIR`` is never modified: ``patched_checkout`
 copies it (a few MB of Python) and applies ``tools/apply_megatron_patch.sh`` to the
 copy. ``tests/megatron_lm_cpu`` goes first on the workers' ``PYTHONPATH``; its
 ``sitecustomize`` shims the places where Megatron-LM's training code needs CUDA.
+
+The ranks are forked from a pre-imported worker (``elastic.prestart``, as ``elastor
+launch --megatron-lm`` starts its ranks), whose interpreter holds torch and
+Megatron-Core and loaded the shims: a cold rank spends seconds of CPU importing them,
+and the suite runs dozens of 4-6 rank runs. ``cold=True`` runs the ranks as a user's
+``torchrun pretrain_gpt.py`` does.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -20,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from elastor_mcore.config.recipe import load_recipe
+from elastor_mcore.elastic import prestart
+from tests.conftest import PRE_IMPORTED
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_SHIMS = REPO / "tests" / "megatron_lm_cpu"
@@ -129,21 +138,36 @@ class PretrainRun:
                 f"{self.stderr[-chars:]}")
 
 
+def shimmed_env() -> dict[str, str]:
+    """This process's environment with the CPU shims and the repository first on
+    ``PYTHONPATH``, and ``RUN_ENV``."""
+    path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path, **RUN_ENV)
+
+
+@functools.cache
+def zygote_env() -> dict[str, str]:
+    """The environment pointing keepers to this pytest process's pre-imported worker for
+    Megatron-LM ranks, started at the first warm run (the suite's other worlds have
+    their own, without the shims: ``conftest.zygote_env``)."""
+    return PRE_IMPORTED.enter_context(prestart.prestarted(True, env=shimmed_env()))
+
+
 def run_pretrain_gpt(megatron_lm_dir: Path, nproc: int, args: list[str], workdir: Path,
                      timeout: float = 300, env: dict[str, str] | None = None,
-                     tied_embeddings: bool = False) -> PretrainRun:
+                     tied_embeddings: bool = False, cold: bool = False) -> PretrainRun:
     """Run the patched ``pretrain_gpt.py`` of ``megatron_lm_dir`` on ``nproc`` CPU ranks
     (``torchrun --standalone``) with ``args`` after ``default_args(tied_embeddings)``, in
-    ``workdir``.
+    ``workdir``; its ranks forked from the pre-imported worker unless ``cold``.
 
     The run is stopped (SIGTERM, then SIGKILL to its process group) after ``timeout``
     seconds; it then returns with returncode -9 and what it printed so far."""
     script = patched_checkout(megatron_lm_dir) / "pretrain_gpt.py"
+    rank = [str(script)] if cold else ["-m", prestart.KEEPER, "tests.workers.run_script",
+                                       str(script)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(script), *default_args(tied_embeddings),
-               *args]
-    path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
-    run_env = dict(os.environ, PYTHONPATH=path, **RUN_ENV)
+               f"--nproc-per-node={nproc}", *rank, *default_args(tied_embeddings), *args]
+    run_env = shimmed_env() if cold else dict(shimmed_env(), **zygote_env())
     run_env.update(env or {})
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(command, cwd=workdir, env=run_env, stdout=subprocess.PIPE,

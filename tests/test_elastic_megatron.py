@@ -29,7 +29,6 @@ and on 6 it needs TP 2 for some stages.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -48,7 +47,7 @@ from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from tests.conftest import REPO
 from tests.test_elastic_nodes import DEADLINE_S, Job, kill_agent
 from tests.pretrain_gpt_run import (CPU_SHIMS, RUN_ENV, PretrainRun, default_args,
-                                    run_pretrain_gpt)
+                                    run_pretrain_gpt, shimmed_env)
 
 ITERS, SAVE_INTERVAL = 8, 2
 KILL = {"step": 4, "slot": 3, "kind": "kill"}
@@ -76,10 +75,8 @@ def corrupt(iteration_dir: Path) -> Path:
 
 
 def elastor(*args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
-    path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, PYTHONPATH=path, **RUN_ENV)
     return subprocess.run([sys.executable, "-m", "elastor_mcore.cli", *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+                          env=shimmed_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def ran(result: PretrainRun) -> PretrainRun:
@@ -281,7 +278,6 @@ def test_flags_no_relaunch_could_run_are_refused_before_any_rank(patched_megatro
 
 def start_launch(script: Path, run_dir: Path) -> subprocess.Popen:
     """``elastor launch --megatron-lm`` on 3 CPU slots from scratch, output in a file."""
-    path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
     log = open(run_dir.parent / f"{run_dir.name}-{time.monotonic_ns()}.log", "w")
     return subprocess.Popen(
         [sys.executable, "-m", "elastor_mcore.cli", "launch", "--megatron-lm", str(script),
@@ -289,7 +285,7 @@ def start_launch(script: Path, run_dir: Path) -> subprocess.Popen:
          "--nproc-per-node", "3", "--devices", "cpu", "--run-dir", str(run_dir), "--",
          *default_args(), "--global-batch-size", "12", "--train-iters", "1000",
          "--save-interval", "2"],
-        cwd=REPO, env=dict(os.environ, PYTHONPATH=path, **RUN_ENV), stdout=log,
+        cwd=REPO, env=shimmed_env(), stdout=log,
         stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from elastor_mcore import checkpoint
 from elastor_mcore.checkpoint import megatron_dir
 from elastor_mcore.checkpoint.storage.object_store import ObjectPath
 from tests.conftest import REPO, max_relative_difference
-from tests.pretrain_gpt_run import CPU_SHIMS, RUN_ENV, default_args, run_pretrain_gpt
+from tests.pretrain_gpt_run import default_args, run_pretrain_gpt, shimmed_env
 from tests.s3_server import s3_environment
 
 ITERS, SAVE_AT = 8, 4
@@ -46,8 +45,9 @@ BUCKET = "megatron-lm"
 SAVE_URL = f"s3://{BUCKET}/save"
 
 
-def _run(megatron_lm, nproc, args, workdir):
-    run = run_pretrain_gpt(megatron_lm, nproc, COMMON + args, workdir, timeout=900)
+def _run(megatron_lm, nproc, args, workdir, cold: bool = False):
+    run = run_pretrain_gpt(megatron_lm, nproc, COMMON + args, workdir, timeout=900,
+                           cold=cold)
     if run.returncode:
         pytest.fail(f"pretrain_gpt.py failed\n{run.tail()}")
     return run
@@ -65,13 +65,14 @@ def uniform_runs(patched_megatron_lm, tmp_path_factory, s3):
     """Three 4-rank runs: TP2 x DP2 from --elastor-layout with the plain optimizer and
     async zarr saves to S3; TP1 x DP4 from Megatron's own flags with the distributed
     optimizer and no Elastor flag (the floor); the first one's iteration-4 checkpoint
-    resumed from S3 as TP1 x PP2 x DP2."""
+    resumed from S3 as TP1 x PP2 x DP2. The first two run cold, as a user's ``torchrun
+    pretrain_gpt.py`` does (the module's other runs fork from the pre-imported worker)."""
     root = tmp_path_factory.mktemp("pretrain_gpt")
     layout_run = _run(patched_megatron_lm, 4, [
         "--elastor-layout", "dp2-tp2-pp1", "--async-save",
         "--elastor-ckpt-format", "zarr", "--save", SAVE_URL,
-        "--save-interval", str(SAVE_AT)], root / "a")
-    plain_run = _run(patched_megatron_lm, 4, DISTOPT, root / "c")
+        "--save-interval", str(SAVE_AT)], root / "a", cold=True)
+    plain_run = _run(patched_megatron_lm, 4, DISTOPT, root / "c", cold=True)
     return root, layout_run, plain_run
 
 
@@ -295,11 +296,10 @@ def _check_args(megatron_lm: Path, cases: list[tuple[int, list[str]]], tmp_path:
     spec = tmp_path / "cases.json"
     spec.write_text(json.dumps([{"world_size": n, "argv": _case_argv(argv)}
                                 for n, argv in cases]))
-    path = os.pathsep.join([str(CPU_SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])
     result = subprocess.run(
         [sys.executable, str(REPO / "tests" / "pretrain_gpt_args_check.py"),
          str(megatron_lm), str(spec)], capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONPATH=path, **RUN_ENV), cwd=tmp_path)
+        env=shimmed_env(), cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == len(cases), result.stdout

@@ -37,9 +37,12 @@ def keeper_command(rank: RankCommand, in_place: bool) -> RankCommand:
 
 
 @contextlib.contextmanager
-def prestarted(enabled: bool, log_path: Path | None = None) -> Iterator[dict[str, str]]:
-    """While inside, a zygote runs (if ``enabled``); yields the environment that points
-    the keepers to it (empty when not enabled)."""
+def prestarted(enabled: bool, log_path: Path | None = None,
+               env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """While inside, a zygote runs (if ``enabled``; ``env`` added to its environment, which
+    its ranks inherit only as far as it runs at its start, such as a ``sitecustomize``
+    on its ``PYTHONPATH``: each rank gets its keeper's environment); yields the
+    environment that points the keepers to it (empty when not enabled)."""
     if not enabled:
         yield {}
         return
@@ -47,7 +50,7 @@ def prestarted(enabled: bool, log_path: Path | None = None) -> Iterator[dict[str
     socket_path = directory / "sock"
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(
-        [sys.executable, "-m", ZYGOTE, "--socket", str(socket_path)], env=worker_env(),
+        [sys.executable, "-m", ZYGOTE, "--socket", str(socket_path)], env=worker_env(env),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         preexec_fn=parent_death_preexec(signal.SIGKILL))
     try:
