@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, uniform, flags in CONFIGS:
         placement = UNIFORM if uniform else ["--elastor-layout", str(layout)]
         run = run_pretrain_gpt(Path(megatron_lm), 6, [*common, *placement, *flags],
-                               work / name.replace(" ", "_"), timeout=1800)
+                               work / name.replace(" ", "_"), timeout=1800, cold=True)
         if run.returncode:
             print(run.tail(), file=sys.stderr)
             return 1
