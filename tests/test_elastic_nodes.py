@@ -25,7 +25,8 @@ import psutil
 import pytest
 
 from elastor_mcore.elastic import node_timeline
-from elastor_mcore.elastic.protocol import read_beats
+from elastor_mcore.elastic.heartbeat import HangPolicy
+from elastor_mcore.elastic.protocol import Beat, read_beats
 from elastor_mcore.elastic.report import read_metrics
 from tests.conftest import REPO, TINY
 from tests.single_process_reference import reference_losses
@@ -140,11 +141,22 @@ def reference(single_process_reference) -> dict[int, float]:
     return reference_losses(single_process_reference, STEPS)
 
 
-def worker_pid(job: Job, node: str, launch: int, slot: int) -> int:
-    """The pid of ``slot``'s worker in that node launch's latest round."""
+def worker_beat(job: Job, node: str, launch: int, slot: int) -> Beat | None:
+    """The latest beat of ``slot``'s worker in that node launch's latest round."""
     rounds = job.run_dir / "nodes" / node / str(launch) / "rounds"
     latest = max(rounds.iterdir(), key=lambda p: int(p.name))
-    return read_beats(latest / "heartbeat")[slot].pid
+    return read_beats(latest / "heartbeat").get(slot)
+
+
+def time_to_hang(beat: Beat | None) -> bool:
+    """Whether to stop the rank that sent ``beat`` now. Found by the hang timeout (3 x
+    its p99 step, at least HEARTBEAT_TIMEOUT_S), not the start-up timeout (300 s), if it
+    has timed its steps (``HangPolicy.min_steps``) and is in a step after which it does
+    not save (an odd one: saves follow even steps), so that its last beat is not a
+    save's. Past step STEPS - 5 it is stopped untimed: the job must still have steps
+    for the rounds after the hang."""
+    return (beat is not None and beat.stepping and beat.busy is None and beat.step % 2 == 1
+            and (beat.steps_timed >= HangPolicy.min_steps or beat.step >= STEPS - 5))
 
 
 def stepping_round(job: Job, node: str, launch: int, nodes: int) -> bool:
@@ -174,12 +186,14 @@ def job(tmp_path_factory):
             "members"]}) == 1, [a])
         b2 = job.start("b", 2, health_file=health)
         job.wait("b back, stepping", lambda: stepping_round(job, "b", 1, 2), [a, b2])
+        job.wait("b's slot 1 stepping at its own pace", lambda: time_to_hang(
+            worker_beat(job, "b", 1, 1)), [a, b2])
         hung = len(job.rounds("b", 1))
-        os.kill(worker_pid(job, "b", 1, 1), signal.SIGSTOP)  # alive and silent: a hang
+        os.kill(worker_beat(job, "b", 1, 1).pid, signal.SIGSTOP)  # alive and silent: a hang
         job.wait("the round after the hang, stepping", lambda: len(job.rounds("b", 1)) > hung
                  and stepping_round(job, "b", 1, 2), [a, b2])
         health.write_text("[0]\n")  # what a health check would write for a broken device
-        os.kill(worker_pid(job, "b", 1, 0), signal.SIGKILL)
+        os.kill(worker_beat(job, "b", 1, 0).pid, signal.SIGKILL)
         for proc in (a, b2):
             proc.wait(timeout=DEADLINE_S)
         assert (a.returncode, b2.returncode) == (0, 0), job.logs()
