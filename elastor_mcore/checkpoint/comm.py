@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass
-
-import numpy as np
 from typing import Any, Sequence
 
 from elastor_mcore.checkpoint.format import CheckpointError
@@ -150,7 +148,9 @@ class Comm:
                 f"{text[:80]}...: a path of {len(data)} bytes; at most {ANNOUNCE_BYTES} "
                 f"fit a load's announcement")
             data = b""
-        words = np.frombuffer(data.ljust(ANNOUNCE_BYTES, b"\0"), dtype="<i8").tolist()
+        padded = data.ljust(ANNOUNCE_BYTES, b"\0")
+        words = [int.from_bytes(padded[i:i + 8], "little", signed=True)
+                 for i in range(0, ANNOUNCE_BYTES, 8)]
         total = self.sum([error is not None, token, token * token, len(data), *words])
         if total[0]:
             check([m for m, in self.messages(error)], what, error)
@@ -159,7 +159,8 @@ class Comm:
                 f"{what}: the ranks passed different replica classes; every rank must "
                 f"pass the same classes, built from the group's layout "
                 f"(parallel.shards.replica_classes)")
-        return np.array(total[4:], dtype="<i8").tobytes()[:total[3]].decode()
+        return b"".join(w.to_bytes(8, "little", signed=True)
+                        for w in total[4:])[:total[3]].decode()
 
     def swap(self, peers: Sequence[int], values: Sequence[int]) -> dict[int, list[int]]:
         """``values`` (int64, as many on every rank) sent to each of ``peers`` and

@@ -37,8 +37,7 @@ import torch
 
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, ChunkPolicy, TensorEntry, choose_entry, validate_key)
-from elastor_mcore.geometry import (
-    Box, Cell, ShardInfo, boundaries, common_refinement, grid_cut)
+from elastor_mcore.geometry import Box, Cell, ShardInfo, boundaries, common_refinement, grid_cut
 
 
 @dataclass
