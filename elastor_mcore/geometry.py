@@ -109,6 +109,17 @@ def common_refinement(infos_by_rank: dict[int, Sequence[ShardInfo]]) -> list[Cel
     return cells
 
 
+def grid_cut(box: Box, step: Sequence[int]) -> list[Box]:
+    """``box`` cut where it crosses a multiple of ``step`` along each dimension (a
+    tensor's file grid): the pieces, in offset order (none where ``box`` is empty)."""
+    ranges = []
+    for lo, hi, n in zip(box.offset, box.end, step):
+        cuts = [lo, *range((lo // n + 1) * n, hi, n), hi] if hi > lo else []
+        ranges.append(list(zip(cuts, cuts[1:])))
+    return [Box(tuple(a for a, _ in span), tuple(b - a for a, b in span))
+            for span in itertools.product(*ranges)]
+
+
 def local_view(tensor: Any, held: Box, cell: Box) -> Any:
     """The part of a local shard ``tensor`` (a torch tensor covering ``held``) that is
     ``cell``: a view, by ``narrow`` along each dimension."""

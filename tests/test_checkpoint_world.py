@@ -1,7 +1,8 @@
 """Checkpoint save/load across a 4-rank gloo world (library level, no mcore model).
 
 One world runs every case (see ``tests/workers/checkpoint_world.py``): save from TP-4
-quarters held twice each, load as halves / 3-way uneven / whole, save from a sub-group.
+quarters held twice each, load as halves / 3-way uneven / whole, load with replica
+classes under seeded random layouts and with false ones, save from a sub-group.
 """
 
 from __future__ import annotations
@@ -98,6 +99,48 @@ def test_replicas_on_one_host_read_their_own_bytes(world, layout):
         assert amplification(load["bytes_read"], load["bytes_needed"]) \
             <= MAX_READ_AMPLIFICATION
         assert load["bytes_read"] >= load["bytes_needed"]
+
+
+@pytest.mark.timeout(300)
+def test_class_loads_match_a_single_process_read(world):
+    """Loads with seeded random replica classes (members sharing their class's reads,
+    ranks in no class going through the owners): every rank's targets equal a
+    single-process read of the checkpoint, bit for bit."""
+    seeds = world["ranks"][0]["classes"]["seeds"]
+    assert len(seeds) >= 6 and any(len(c) > 1 for s in seeds.values() for c in s["classes"])
+    for report in world["ranks"]:
+        for seed, load in report["classes"]["seeds"].items():
+            assert load["mismatches"] == [], (report["rank"], seed)
+
+
+@pytest.mark.timeout(300)
+def test_a_class_on_other_hosts_reads_its_bytes_once(world):
+    """Members of a class on different hosts split their class's reads: together they
+    read from storage what one of them alone reads, not once per member."""
+    checked = 0
+    for seed, first in world["ranks"][0]["classes"]["seeds"].items():
+        if first["hosts"] != "a host per rank":
+            continue
+        loads = {r["rank"]: r["classes"]["seeds"][seed] for r in world["ranks"]}
+        for members in first["classes"]:
+            alone = loads[members[0]]["bytes_alone"]
+            if len(members) < 2 or not alone:
+                continue
+            together = sum(loads[m]["bytes_read"] for m in members)
+            assert together <= MAX_READ_AMPLIFICATION * alone, (seed, members, together, alone)
+            checked += 1
+    assert checked, "no class of two or more on separate hosts held anything"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["false class", "classes differ between ranks"])
+def test_a_wrong_replica_class_fails_on_every_rank(world, case):
+    """Members that hold different boxes, or ranks that pass different classes: the
+    load raises ``CheckpointError`` on every rank (it neither hangs nor loads)."""
+    expected = {"false class": "hold other targets",
+                "classes differ between ranks": "different replica classes"}[case]
+    for report in world["ranks"]:
+        assert expected in report["classes"][case], (report["rank"], report["classes"][case])
 
 
 @pytest.mark.timeout(300)

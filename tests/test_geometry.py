@@ -5,7 +5,7 @@ import random
 import numpy as np
 import pytest
 
-from elastor_mcore.geometry import Box, ShardInfo, common_refinement
+from elastor_mcore.geometry import Box, ShardInfo, common_refinement, grid_cut
 
 
 def _random_box(rng: random.Random, shape: tuple[int, ...]) -> Box:
@@ -53,3 +53,21 @@ def test_cells_partition_the_held_elements_by_holder_set(seed):
             assert points[d][points[d].index(o) + 1] == o + n
     assert cells == sorted(cells, key=lambda c: c.box.offset)
     assert common_refinement(dict(reversed(list(infos.items())))) == cells  # deterministic
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_grid_cut_tiles_the_box_along_the_grid(seed):
+    """``grid_cut``'s pieces tile the box exactly, and each lies in one cell of the
+    grid (a file), whatever the box's alignment."""
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(1, 12) for _ in range(rng.randint(1, 3)))
+    step = tuple(rng.randint(1, n) for n in shape)
+    box = _random_box(rng, shape)
+    count = np.zeros(shape, dtype=np.int64)
+    for piece in grid_cut(box, step):
+        assert box.contains(piece) and piece.numel > 0
+        assert all(o // n == (o + s - 1) // n for o, s, n in zip(piece.offset, piece.shape, step))
+        count[piece.slices()] += 1
+    inside = np.zeros(shape, dtype=np.int64)
+    inside[box.slices()] = 1
+    assert (count == inside).all(), seed

@@ -30,16 +30,20 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from elastor_mcore.checkpoint import comm
 from elastor_mcore.checkpoint.format import ChunkPolicy, choose_entry
 from elastor_mcore.checkpoint.format import CheckpointError
 from elastor_mcore.checkpoint.plan import (
     NO_REPLICAS, Replicas, build_plan, held_bytes, merge, plan_owned, route)
+from elastor_mcore.checkpoint.plan import LocalShard
 from elastor_mcore.checkpoint.reader import (
-    LoadRequest, plan_reads, relay_block, replies, to_relays)
+    ClassPeers, LoadRequest, SharedReads, class_pieces, open_checkpoint, peer_names, peers_of,
+    plan_reads, read_boxes, relay_block, replies, to_relays)
+from elastor_mcore.checkpoint.writer import save
 from elastor_mcore.config.recipe import load_recipe
-from elastor_mcore.geometry import boundaries, common_refinement
+from elastor_mcore.geometry import Box, boundaries, common_refinement, local_view
 from elastor_mcore.parallel.layout import layout_from_dict
 from elastor_mcore.parallel.shards import layout_shard_infos, replica_classes
 
@@ -329,33 +333,126 @@ def test_a_false_replica_claim_fails_the_save(seed):
     assert any(p.mismatch for p in plans.values()), seed
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_load_with_replicas_plans_each_column_alone(seed):
-    """With replica classes each rank's load pieces are the cells of the common
-    refinement of its column's targets (member ``i`` of a class in column
-    ``i % columns``), each read by one of the column's holders."""
-    layout = replicated_layout(seed)
-    ranks = group_order(layout, seed)
+def saved_checkpoint(root, seed: int):
+    """A checkpoint of random fp32 values saved in one process under ``random_layout``'s
+    shard boundaries (the cells of its common refinement, each saved once), small
+    files so that a class has many to share; its step directory."""
+    layout = random_layout(seed)
+    cells = common_refinement({r: layout_shard_infos(RECIPE.model, layout, r)
+                               for r in layout.ranks})
+    shapes = {i.key: i.global_shape for r in layout.ranks
+              for i in layout_shard_infos(RECIPE.model, layout, r)}
+    g = torch.Generator().manual_seed(seed)
+    truth = {k: torch.randn(shape, generator=g) for k, shape in sorted(shapes.items())}
+    shards = [LocalShard(c.key, shapes[c.key], c.box.offset,
+                         local_view(truth[c.key], Box((0,) * len(shapes[c.key]),
+                                                      shapes[c.key]), c.box).clone())
+              for c in cells]
+    save(root, 1, shards, chunking=ChunkPolicy(chunk_bytes=1024, file_bytes=8192))
+    return root / "step_00000001"
+
+
+def class_load(step, layout, ranks, replicas, cache):
+    """Every rank's pieces as ``reader._load`` plans them with ``replicas``: a class
+    member's from ``class_pieces`` (its class's ``peer_names`` heard), a rank in no
+    class's from the owners of its tensors (``plan_reads``)."""
     infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
-    replicas = Replicas(replica_classes(layout))
-    column = {r: replicas.of(r)[1] % replicas.columns for r in ranks}
+    entries = open_checkpoint(step).manifest.tensors
+    pieces: dict[int, list] = {}
     outbox: dict[int, dict] = {}
     for rank in ranks:
-        for owner, mine in route(infos[rank], ranks, (column[rank],),
-                                 replicas.columns).items():
-            outbox.setdefault(owner, {})[rank] = LoadRequest(tuple(mine), f"host{rank % 3}")
-    pieces: dict[int, list] = {}
+        members = replicas.of(rank)[0]
+        if len(members) > 1:
+            peers = peers_of(rank, members, {m: peer_names(infos[m], cache[m]) for m in members})
+            assert peers.mismatch is None
+            pieces[rank] = class_pieces(rank, infos[rank], entries, peers)
+            continue
+        for owner, mine in route(infos[rank], ranks).items():
+            outbox.setdefault(owner, {})[rank] = LoadRequest(tuple(mine), cache[rank])
     for inbox in outbox.values():
         for rank, part in plan_reads(inbox).items():
             pieces.setdefault(rank, []).extend(part)
-    for j in range(replicas.columns):
-        members = [r for r in ranks if column[r] == j]
-        cells = common_refinement({r: infos[r] for r in members})
+    return infos, pieces
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_class_loads_are_bit_exact(seed, tmp_path):
+    """Each class member reads its share of its class's cells and sends it to the
+    members on other page caches; ranks in no class load through the owners. Every
+    piece a rank does not read, its reader reads and sends to it; every rank's targets
+    then equal a single-process read of the checkpoint bit for bit; and within a class
+    each piece is read from one page cache only (storage serves it once per class)."""
+    step = saved_checkpoint(tmp_path, seed)
+    layout = replicated_layout(seed + 500)
+    ranks = group_order(layout, seed)
+    replicas = claimed(layout, seed)
+    cache = {r: f"host{r % 3}" for r in ranks}
+    infos, pieces = class_load(step, layout, ranks, replicas, cache)
+    manifest = open_checkpoint(step).manifest
+    targets = {r: [LocalShard(i.key, i.global_shape, i.box.offset,
+                              torch.full(i.box.shape, float("nan"))) for i in infos[r]]
+               for r in ranks}
+    shared = {r: SharedReads.build(r, targets[r], pieces.get(r, [])) for r in ranks}
+    for rank in ranks:
+        read_boxes(step, manifest, shared[rank].reads)
+    for rank in ranks:
+        for piece in shared[rank].pieces:
+            if piece.reader == rank:
+                continue
+            sender = shared[piece.reader]
+            source = next(p for p in sender.pieces if p.target.key == piece.target.key
+                          and p.target.box == piece.target.box)
+            assert source.reader == piece.reader, (seed, rank, piece.target.box)
+            assert any(view is source.target.data for view in sender.sends[rank]), seed
+            piece.target.data.copy_(source.target.data)
+        for piece in shared[rank].pieces:
+            for copy in piece.copies:
+                copy.copy_(piece.target.data)
+    reference = open_checkpoint(step)
+    whole = {key: reference.read(key) for key in manifest.tensors}
+    for rank in ranks:
+        for target in targets[rank]:
+            want = local_view(whole[target.key], Box((0,) * len(target.global_shape),
+                                                     target.global_shape), target.box)
+            assert torch.equal(target.data.view(torch.int32), want.view(torch.int32)), (
+                seed, rank, target.key, target.box)
+    for members in replicas.classes:
+        if len(members) < 2:
+            continue
+        read_from: dict[tuple, set] = {}
         for rank in members:
-            got = sorted((p.key, p.box.offset, p.box.shape, p.reader in members)
-                         for p in pieces.get(rank, []))
-            assert got == sorted((c.key, c.box.offset, c.box.shape, True)
-                                 for c in cells if rank in c.holders), (seed, rank)
+            for target in shared[rank].reads:
+                read_from.setdefault((target.key, target.box.offset, target.box.shape),
+                                     set()).add(cache[rank])
+        assert all(len(c) == 1 for c in read_from.values()), (seed, members)
+        assert sorted(read_from) == sorted(
+            (p.key, p.box.offset, p.box.shape) for p in pieces[members[0]]), seed
+        apart = ClassPeers(members, {m: m for m in members})  # a host per member
+        loads = dict.fromkeys(members, 0)
+        sizes = []
+        for p in class_pieces(members[0], infos[members[0]], manifest.tensors, apart):
+            sizes.append(p.box.numel * 4)
+            loads[p.reader] += sizes[-1]
+        assert max(loads.values()) <= sum(sizes) / len(members) + max(sizes, default=0), (
+            seed, members, loads)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_false_replica_class_fails_the_load(seed):
+    """Two classes whose targets differ claimed as one: a member hears another's
+    targets named otherwise (``peers_of``), so its load fails before any read."""
+    layout = next(layout for layout in map(replicated_layout, itertools.count(seed, 100))
+                  if len(replica_classes(layout)) >= 2)
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in layout.ranks}
+    classes = list(replica_classes(layout))
+    a, b = random.Random(seed).sample(range(len(classes)), 2)
+    members = tuple(sorted(classes[a] + classes[b]))
+    heard = {m: peer_names(infos[m], "host0") for m in members}
+    for rank in members:
+        mismatch = peers_of(rank, members, heard).mismatch
+        assert mismatch is not None and "hold other targets" in mismatch, (seed, rank)
+        other = classes[b] if rank in classes[a] else classes[a]
+        assert str(list(other[:8])[0]) in mismatch
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 10, 17, 1000, 16016])

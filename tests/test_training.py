@@ -6,8 +6,9 @@ The matrix runs in the 8-rank world the layout-training modules share
 
 * the single-process reference (4 steps) and four uniform layouts (2 steps);
 * eight heterogeneous layouts (4 steps), four of them saving their final state;
-* resharding: four (save layout, load layout) pairs (uniform -> heterogeneous,
-  heterogeneous -> one process, heterogeneous -> heterogeneous twice), each loading one
+* resharding: five (save layout, load layout) pairs (uniform -> heterogeneous,
+  heterogeneous -> one process, heterogeneous -> heterogeneous twice, heterogeneous ->
+  data-parallel replicas, whose classes share their reads), each loading one
   of those checkpoints under another layout and comparing every local shard, Adam
   moments included, byte for byte with the tensors the saving ranks held (their own
   ``torch.save`` copies, not a read of the checkpoint);
@@ -42,6 +43,8 @@ RESHARD_PAIRS = [  # (saved by, loaded under): uniform <-> hetero, hetero <-> he
     ("tp4-tp2-tp1", "dp1-tp1-pp1"),
     ("two-pipelines-different-stages", "unequal-micro-batches"),
     ("three-pipelines-uneven", "tp1-to-tp4"),
+    # data-parallel replicas: the trainer's load shares each replica class's reads
+    ("two-pipelines-different-stages", "dp2-tp2-pp2"),
 ]
 RESUME = ("unequal-micro-batches", "three-pipelines-uneven", 2)
 

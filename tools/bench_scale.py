@@ -18,22 +18,27 @@ scattered over the nodes. Per case:
 * **save** under the uniform layout and under each failure layout: ``writer.plan_save``
   (the owners' plans, the holders' writers and metadata creators, each member's check
   of its cells) and the finish (the coordinator's manifest);
-* **load** of the uniform layout's checkpoint under each failure layout:
-  ``reader.plan_load`` (the owners' refinements and shared reads, the step directory
-  through its relays); the save and the load with the layout's replica classes
-  (``parallel.shards.replica_classes``, as the trainer passes them without ZeRO-1;
-  built once per layout, its CPU reported apart as ``replicas_s``), or without them
-  (``--no-replicas``: one owner per tensor hearing from every holder);
+* **load** of the uniform layout's checkpoint under each failure layout: with the
+  layout's replica classes (``parallel.shards.replica_classes``, as the trainer
+  passes them to its saves and loads without ZeRO-1; built once per layout, its CPU
+  reported apart as ``replicas_s``), ``Comm.announce``, each member's check of its
+  class (``reader.class_peers``) and split of its class's reads
+  (``reader.class_pieces``), the owners' plan for ranks in no class; without them
+  (``--no-replicas``), ``reader.plan_load`` (the owners' refinements and shared reads,
+  the step directory through its relays); the save likewise with the classes (the
+  owners hearing one member of each class per column) or without (one owner per
+  tensor hearing from every holder);
 * **grad cells**: the gradient-reduction cells and buckets (``runtime.grad_sync``,
   unchanged: a gather of every rank's boxes and the whole job's refinement);
 * **planner**: ``planner.plan`` for the alive GPUs (H100-80GB profile).
 
-Collectives go through ``SimComm``, all of them job-wide; each records the bytes every
+Collectives go through ``SimComm``, all of them job-wide (a class's point-to-point
+messages count in the bytes only); each records the bytes every
 rank sends and receives (pickled, as ``Comm.exchange`` and ``all_gather_object`` move
 them), grouped into DCP's steps. Per-rank CPU is ``time.process_time`` of each rank's
 share of the work (pickling what it sends, unpickling what it receives, planning),
-for every simulated rank of a save or load (``SharedReads.build`` only on
-``--samples`` ranks) and, for the grad cells, where every rank computes the same
+for every simulated rank of a save or load (a load's pieces and ``SharedReads.build``
+only on ``--samples`` ranks) and, for the grad cells, where every rank computes the same
 whole-job refinement, on ``--samples`` ranks. Nothing here writes or reads storage.
 """
 
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import pickle
@@ -58,9 +64,10 @@ import torch  # noqa: E402
 
 from elastor_mcore.checkpoint import comm  # noqa: E402
 from elastor_mcore.checkpoint import reader  # noqa: E402
-from elastor_mcore.checkpoint.format import Manifest  # noqa: E402
+from elastor_mcore.checkpoint.format import DTYPE_ITEMSIZE, Manifest  # noqa: E402
 from elastor_mcore.checkpoint.plan import (  # noqa: E402
-    NO_REPLICAS, LocalShard, Replicas, WritePlan, held_bytes, merge, plan_owned, route)
+    NO_REPLICAS, LocalShard, Replicas, WritePlan, held_bytes, merge, plan_owned, plan_tensors,
+    route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
 from elastor_mcore.geometry import common_refinement  # noqa: E402
@@ -107,10 +114,7 @@ class SimComm:
 
     def _count(self, step: str, call: str, sent: dict[int, int],
                received: dict[int, int]) -> None:
-        for rank, n in sent.items():
-            self.sent[rank] = self.sent.get(rank, 0) + n
-        for rank, n in received.items():
-            self.received[rank] = self.received.get(rank, 0) + n
+        self.point_to_point(sent, received)
         self.log.append(Collective(step, call, max(sent.values(), default=0),
                                    max(received.values(), default=0)))
 
@@ -153,6 +157,14 @@ class SimComm:
                     sent[sender] += len(blob)
                     received[dest] += len(blob)
         self._count(step, "all_to_all_single (messages)", sent, received)
+
+    def point_to_point(self, sent: dict[int, int], received: dict[int, int]) -> None:
+        """Messages between ranks that know each other (``Comm.swap``): counted in
+        every rank's bytes, not as a job-wide call."""
+        for rank, n in sent.items():
+            self.sent[rank] = self.sent.get(rank, 0) + n
+        for rank, n in received.items():
+            self.received[rank] = self.received.get(rank, 0) + n
 
     def summary(self) -> dict[str, Any]:
         return {"job_wide_steps": len({c.step for c in self.log}),
@@ -336,52 +348,103 @@ def save_case(recipe: Recipe, layout: Layout, samples: int,
             "bytes": sum(e.nbytes for e in whole.entries.values())}
 
 
-def load_case(recipe: Recipe, layout: Layout, samples: int,
+def load_case(recipe: Recipe, layout: Layout, samples: int, entries: dict[str, Any],
               replicas: Replicas = NO_REPLICAS) -> dict[str, Any]:
-    """``reader._load``'s planning (``reader.plan_load``), then the agreement after the
-    reads, every rank simulated; ``SharedReads.build`` (views into the targets: meta
-    tensors here) on ``samples`` ranks."""
+    """``reader._load``'s planning, then the agreement after the reads, every rank
+    simulated; the pieces (``reader.class_pieces`` of a class member, from the saved
+    checkpoint's ``entries``) and ``SharedReads.build`` (views into the targets: meta
+    tensors here) on ``samples`` ranks. With replica classes: ``Comm.announce``, each
+    member's ``reader.class_peers`` (point to point within its class, counted in the
+    bytes but not as a job-wide call) and, for the ranks in no class, the owners'
+    plan (``reader.plan_load`` without relays); without: ``reader.plan_load``."""
     ranks = list(layout.ranks)
     coordinator = ranks[0]
     sim, clock = SimComm(ranks), RankClock()
     step_dir = "/checkpoints/step_00000000"
+    infos_of = functools.partial(layout_shard_infos, recipe.model, layout)
+    classes = bool(replicas.sharing)
+    asks = {r for r in ranks if len(replicas.of(r)[0]) < 2}
+    peers: dict[int, reader.ClassPeers] = {}
+    if classes:
+        sim.all_reduce("plan", comm.ANNOUNCE_BYTES + 32)
+        names = {}
+        for rank in (r for r in ranks if r not in asks):
+            infos = infos_of(rank)
+            names[rank] = clock.run(rank, lambda: reader.peer_names(infos, page_cache(rank)))
+        each = {r: 16 * (len(replicas.of(r)[0]) - 1) for r in names}
+        sim.point_to_point(each, each)
+        for rank in names:
+            members = replicas.of(rank)[0]
+            peers[rank] = clock.run(rank, lambda: reader.peers_of(
+                rank, members, {m: names[m] for m in members}))
+            assert peers[rank].mismatch is None, (rank, peers[rank].mismatch)
 
     def requests(rank: int, infos: list) -> dict[int, LoadRequest | str]:
-        column = replicas.of(rank)[1] % replicas.columns
         out: dict[int, LoadRequest | str] = {
             owner: LoadRequest(tuple(mine), page_cache(rank))
-            for owner, mine in route(infos, ranks, (column,), replicas.columns).items()}
-        return reader.to_relays(out, ranks, step_dir) if rank == coordinator else out
+            for owner, mine in route(infos, ranks).items()} if rank in asks else {}
+        return reader.to_relays(out, ranks, step_dir) if rank == coordinator and not classes \
+            else out
 
-    outbox = exchange_to_owners(recipe, layout, clock, requests)
-    sim.exchange("plan", outbox)
     replies: dict[int, dict[int, bytes]] = {}
-    for owner, inbox in outbox.items():
-        received = receive(clock, owner, inbox)
-        pieces = clock.run(owner, lambda: comm.pickled(reader.replies(reader.plan_reads(
-            {r: q for r, q in received.items() if isinstance(q, LoadRequest)}), ranks,
-            ranks.index(owner), step_dir)))
-        for rank, blob in pieces.items():
-            replies.setdefault(rank, {})[owner] = blob
-    del outbox
-    sim.exchange("plan", replies)
+    if asks:
+        outbox = exchange_to_owners(recipe, layout, clock, requests)
+        sim.exchange("plan", outbox)
+        for owner, inbox in outbox.items():
+            received = receive(clock, owner, inbox)
+            pieces = clock.run(owner, lambda: comm.pickled(reader.replies(reader.plan_reads(
+                {r: q for r, q in received.items() if isinstance(q, LoadRequest)}), ranks,
+                ranks.index(owner), None if classes else step_dir)))
+            for rank, blob in pieces.items():
+                replies.setdefault(rank, {})[owner] = blob
+        del outbox
+        sim.exchange("plan", replies)
     built, read_bytes = {}, []
     chosen = set(sample_ranks(ranks, samples))
     for rank in ranks:
-        parts = receive(clock, rank, replies.get(rank, {}))
+        parts = receive(clock, rank, replies.get(rank, {})) if asks else {}
         if rank not in chosen:
             continue
+        infos = infos_of(rank)
         targets = [LocalShard(i.key, i.global_shape, i.box.offset,
-                              torch.empty(i.box.shape, device="meta"))
-                   for i in layout_shard_infos(recipe.model, layout, rank)]
+                              torch.empty(i.box.shape, device="meta")) for i in infos]
         seconds, shared = cpu(lambda: reader.SharedReads.build(
-            rank, targets, [p for part, _ in parts.values() for p in part]))
+            rank, targets, reader.class_pieces(rank, infos, entries, peers[rank])
+            if rank in peers else [p for part, _ in parts.values() for p in part]))
         built[rank] = seconds
         read_bytes.append(shared.read_bytes)
     sim.all_reduce("agree", 8)
     return {"ranks": len(ranks), **clock.summary(built), **sim.summary(),
-            "columns": replicas.columns,
-            "read_bytes_max_sampled": max(read_bytes)}
+            "columns": replicas.columns, "classes": classes,
+            "read_bytes_max_sampled": max(read_bytes),
+            **storage_copies(recipe, layout, replicas, asks)}
+
+
+def storage_copies(recipe: Recipe, layout: Layout, replicas: Replicas,
+                   alone: set[int]) -> dict[str, float]:
+    """How many times storage serves each byte of a load (docs/checkpoint-format.md,
+    "Replicas"): once per replica class holding it, and once for the ranks in no class
+    (``alone``) that hold it; the most for any byte and the bytes served over the
+    bytes loaded. Without classes the owners' plan reads each byte once."""
+    firsts = [members[0] for members in replicas.classes if len(members) > 1]
+    if not firsts:
+        return {"storage_copies_max": 1, "storage_served_over_loaded": 1.0}
+    holders = {r: layout_shard_infos(recipe.model, layout, r) for r in [*firsts, *alone]}
+    dtypes = {i.key: i.dtype for infos in holders.values() for i in infos}
+    served = unique = most = 0
+    for cell in common_refinement(holders):
+        copies = len(set(cell.holders) - alone) + bool(alone & set(cell.holders))
+        nbytes = cell.box.numel * DTYPE_ITEMSIZE[dtypes[cell.key]]
+        served, unique, most = served + copies * nbytes, unique + nbytes, max(most, copies)
+    return {"storage_copies_max": most, "storage_served_over_loaded": served / unique}
+
+
+def saved_entries(recipe: Recipe, layout: Layout) -> dict[str, Any]:
+    """The entries (chunk and file grids) of the checkpoint a uniform ``layout`` saves:
+    from its first pipeline, whose shards every other pipeline repeats."""
+    first = [r for stage in layout.pipelines[0].stages for r in stage.ranks]
+    return plan_tensors({r: layout_shard_infos(recipe.model, layout, r) for r in first},
+                        chunk_policy(recipe))[0]
 
 
 def grad_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
@@ -444,6 +507,7 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
             recipe, layout = built
             row: dict[str, Any] = {"model": name, "world": world,
                                    "uniform": layout.describe()[:80]}
+            entries: dict[str, Any] = {}
             if {"uniform", "save"} <= only:
                 row["save_uniform"] = save_case(recipe, layout, samples,
                                                 replicas_of(layout, replicated))
@@ -464,7 +528,8 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                         case["save"] = save_case(recipe, hetero, samples, replicas)
                         report(name, world, f"save lost {k}", case["save"])
                     if "load" in only:
-                        case["load"] = load_case(recipe, hetero, samples, replicas)
+                        entries = entries or saved_entries(recipe, layout)
+                        case["load"] = load_case(recipe, hetero, samples, entries, replicas)
                         report(name, world, f"load lost {k}", case["load"])
                     if "grad" in only:
                         case["grad"] = grad_case(recipe, hetero, samples)

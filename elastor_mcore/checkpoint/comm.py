@@ -21,6 +21,9 @@ from typing import Any, Sequence
 
 from elastor_mcore.checkpoint.format import CheckpointError
 
+ANNOUNCE_BYTES = 4096
+"""The most bytes ``Comm.announce`` carries (a step directory's path or URL)."""
+
 
 def _dist():
     import torch.distributed as dist
@@ -130,6 +133,52 @@ class Comm:
         dist.all_reduce(total, group=self.group)
         self.calls += 1
         return total.tolist()
+
+    def announce(self, text: str | None, error: BaseException | None, what: str,
+                 token: int = 0) -> str:
+        """The coordinator's ``text`` on every rank, with every rank's ``error``
+        agreed (``CheckpointError`` on every rank if one is set) and a check that every
+        rank passed the same ``token`` (a non-negative integer under 2**20), in one
+        ``all_reduce`` of ``ANNOUNCE_BYTES`` plus 32 bytes: nothing in it grows with
+        the group. Equal tokens are checked by their sum and sum of squares (equal
+        for ``n`` ranks exactly when ``sum**2 == n * squares``)."""
+        data = (text or "").encode() if self.is_coordinator else b""
+        if len(data) > ANNOUNCE_BYTES:
+            error = error or CheckpointError(
+                f"{text[:80]}...: a path of {len(data)} bytes; at most {ANNOUNCE_BYTES} "
+                f"fit a load's announcement")
+            data = b""
+        padded = data.ljust(ANNOUNCE_BYTES, b"\0")
+        words = [int.from_bytes(padded[i:i + 8], "little", signed=True)
+                 for i in range(0, ANNOUNCE_BYTES, 8)]
+        total = self.sum([error is not None, token, token * token, len(data), *words])
+        if total[0]:
+            check([m for m, in self.messages(error)], what, error)
+        if total[1] ** 2 != len(self.ranks) * total[2]:
+            raise CheckpointError(
+                f"{what}: the ranks passed different replica classes; every rank must "
+                f"pass the same classes, built from the group's layout "
+                f"(parallel.shards.replica_classes)")
+        return b"".join(w.to_bytes(8, "little", signed=True)
+                        for w in total[4:])[:total[3]].decode()
+
+    def swap(self, peers: Sequence[int], values: Sequence[int]) -> dict[int, list[int]]:
+        """``values`` (int64, as many on every rank) sent to each of ``peers`` and
+        theirs received, point to point: for ranks that know each other in advance
+        (a replica class, from the layout every rank knows) and that all call it.
+        Needs a backend that carries CPU tensors (gloo)."""
+        dist = _dist()
+        if dist is None or not peers:
+            return {}
+        import torch
+
+        mine = torch.tensor(list(values), dtype=torch.int64)
+        inbox = {peer: torch.empty_like(mine) for peer in peers}
+        ops = [dist.P2POp(dist.isend, mine, peer, self.group) for peer in peers]
+        ops += [dist.P2POp(dist.irecv, inbox[peer], peer, self.group) for peer in peers]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return {peer: tensor.tolist() for peer, tensor in inbox.items()}
 
     def failures(self, *errors: BaseException | None) -> list[tuple[str | None, ...]]:
         """Every rank's ``errors`` described (``describe``), in group order, when any

@@ -37,7 +37,7 @@ import torch
 
 from elastor_mcore.checkpoint.format import (
     DTYPE_ITEMSIZE, CheckpointError, ChunkPolicy, TensorEntry, choose_entry, validate_key)
-from elastor_mcore.geometry import Box, Cell, ShardInfo, boundaries, common_refinement
+from elastor_mcore.geometry import Box, Cell, ShardInfo, boundaries, common_refinement, grid_cut
 
 
 @dataclass
@@ -144,13 +144,6 @@ def assign_writers(units: Sequence[WriteUnit]) -> list[WriteUnit]:
             for i, u in enumerate(units)]
 
 
-def _grid(cell: Box, shard: Sequence[int]) -> list[Box]:
-    """The file-sized boxes that tile ``cell`` (whose bounds are multiples of ``shard``)."""
-    ranges = [range(o, o + s, step) for o, s, step in zip(cell.offset, cell.shape, shard)]
-    return [Box(tuple(lo), tuple(min(step, e - l) for l, step, e in zip(lo, shard, cell.end)))
-            for lo in itertools.product(*ranges)]
-
-
 def _key_hash(key: str) -> int:
     """Stable across processes (Python's ``hash`` of a string is not)."""
     return zlib.crc32(key.encode())
@@ -189,6 +182,19 @@ class Replicas:
     def columns(self) -> int:
         """How many owners plan each tensor: the smallest class's size."""
         return min((len(c) for c in self.classes), default=1)
+
+    @functools.cached_property
+    def fingerprint(self) -> int:
+        """A 20-bit name of the classes, the same in every process: a load checks that
+        every rank passed the same ones (``comm.Comm.announce``)."""
+        digest = hashlib.blake2b(repr(self.classes).encode(), digest_size=4).digest()
+        return int.from_bytes(digest, "little") >> 12
+
+    @functools.cached_property
+    def sharing(self) -> int:
+        """How many ranks are in a class of two or more (the others load alone or
+        through the tensors' owners)."""
+        return sum(len(members) for members in self.classes if len(members) > 1)
 
     def check(self, ranks: Sequence[int]) -> None:
         """Raise ``CheckpointError`` naming a class member outside the group."""
@@ -290,7 +296,7 @@ def file_units(entries: dict[str, TensorEntry], cells: Iterable[Cell]) -> list[W
     """The cells cut into files (without writers)."""
     return [WriteUnit(cell.key, box, cell.holders,
                       box.numel * DTYPE_ITEMSIZE[entries[cell.key].dtype])
-            for cell in cells for box in _grid(cell.box, entries[cell.key].shard)]
+            for cell in cells for box in grid_cut(cell.box, entries[cell.key].shard)]
 
 
 @dataclass(frozen=True)
@@ -388,7 +394,7 @@ def files_of(cells: Iterable[Held], entries: dict[str, TensorEntry]) -> list[Hel
     """Held cells cut into their files, by their entries' file grids."""
     return [dataclasses.replace(cell, box=box,
                                 nbytes=box.numel * DTYPE_ITEMSIZE[entries[cell.key].dtype])
-            for cell in cells for box in _grid(cell.box, entries[cell.key].shard)]
+            for cell in cells for box in grid_cut(cell.box, entries[cell.key].shard)]
 
 
 def held_bytes(infos: Iterable[ShardInfo]) -> int:

@@ -11,6 +11,8 @@ TensorStore, whose range GETs fetch the same inner chunks.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import heapq
 import logging
 import math
 import os
@@ -31,7 +33,7 @@ from elastor_mcore.checkpoint.plan import (
     NO_REPLICAS, LocalShard, Replicas, WriteUnit, assign_writers, route)
 from elastor_mcore.checkpoint.storage import Location, as_path, retrying, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
-from elastor_mcore.geometry import Box, ShardInfo, common_refinement, local_view
+from elastor_mcore.geometry import Box, ShardInfo, common_refinement, grid_cut, local_view
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,11 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
     Called by every rank of ``group`` (default: the world). With a root directory,
     rank 0 of the group picks the step so all ranks read the same one. Bytes that
     several ranks need (data-parallel replicas, TP replicas of norms) are read from
-    storage by one of them and sent to those on other hosts (``SharedReads``); with
-    ``replicas`` (which ranks hold the same shards, ``plan.Replicas``), within each of
-    its columns (``plan_load``).
+    storage by one of them and sent to those on other hosts (``SharedReads``). With
+    ``replicas`` (which ranks hold the same targets, ``plan.Replicas``, the same on
+    every rank), the members of each class share their class's reads among
+    themselves (``class_pieces``), and only the ranks in no class plan through the
+    tensors' owners.
     """
     with gc_paused():
         return _load(path_or_root, targets, group, replicas)
@@ -91,8 +95,11 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
 def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
           replicas: Replicas) -> Manifest:
     """Two job-wide steps: **plan** (the step directory, and every rank's targets to the
-    owners of their tensors, who send each holder its reads; ``plan_load``), then the
-    reads, then **agree** on every rank's errors; then the shared reads' messages."""
+    owners of their tensors, who send each holder its reads, ``plan_load``; with
+    replica classes one ``Comm.announce``, each class's members checking each other's
+    targets, ``class_peers``, and the owners' plan only for ranks in no class), then
+    the reads, then **agree** on every rank's errors; then the shared reads'
+    messages."""
     ranks = comm.Comm(group)
     what = f"checkpoint load from {path_or_root}"
     error, step_dir = None, None
@@ -101,23 +108,35 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
             step_dir = str(resolve_step_dir(path_or_root))
         for target in targets:
             target.validate()
+        replicas.check(ranks.ranks)
     except CheckpointError as exc:
         error = exc
     # Without local files there is no page cache to share: every rank is its own.
     cache = (page_cache_id() if storage_for(as_path(path_or_root)).local_files
              else f"rank {ranks.rank}")
-    try:
-        replicas.check(ranks.ranks)
-    except CheckpointError as exc:
-        error = error or exc
-    step_dir, shared = plan_load(ranks, targets, cache, step_dir, what, error,
-                                 shares=_carries_cpu(group), replicas=replicas)
+    infos = [t.info() for t in targets]
+    shares, peers, pieces = _carries_cpu(group), None, []
+    if shares and replicas.sharing:
+        step_dir = ranks.announce(step_dir, error, what, replicas.fingerprint)
+        members = replicas.of(ranks.rank)[0]
+        if len(members) > 1:
+            peers = class_peers(ranks, members, infos, cache)
+        if replicas.sharing < len(ranks.ranks):  # some ranks are in no class
+            _, pieces = plan_load(ranks, infos, cache, step_dir, what, asks=peers is None,
+                                  relays=False)
+    else:
+        step_dir, pieces = plan_load(ranks, infos, cache, step_dir, what, error, shares)
     step_dir = as_path(step_dir)
 
-    error, manifest = None, None
+    error, manifest, shared = None, None, None
     try:
+        if peers is not None and peers.mismatch:
+            raise CheckpointError(peers.mismatch)
         manifest = read_manifest(step_dir)
         check_targets(step_dir, manifest, targets)
+        if peers is not None:
+            pieces = class_pieces(ranks.rank, infos, manifest.tensors, peers)
+        shared = SharedReads.build(ranks.rank, targets, pieces, group)
         read_boxes(step_dir, manifest, shared.reads, checked=True)
     except CheckpointError as exc:
         error = exc
@@ -144,8 +163,9 @@ class LoadRequest:
 @dataclass(frozen=True)
 class ReadPiece:
     """One cell of the common refinement of a tensor's targets, as one holder gets it
-    from the tensor's owner: who reads it from storage, and (to that reader) the
-    holders on other hosts it sends the cell to."""
+    from the tensor's owner (or decides it with its replica class, ``class_pieces``):
+    who reads it from storage, and (to that reader) the holders on other hosts it
+    sends the cell to."""
 
     key: str
     box: Box
@@ -196,45 +216,39 @@ def to_relays(outgoing: dict[int, "LoadRequest | str"], ranks: Sequence[int],
 def replies(owned: dict[int, list["ReadPiece"]], ranks: Sequence[int], position: int,
             step_dir: str | None) -> dict[int, tuple[list["ReadPiece"], str | None]]:
     """An owner's pieces for each holder (``plan_reads``), and from a relay (the rank
-    at ``position`` of ``ranks`` first in its block) the step directory to the other
-    ranks of its block."""
+    at ``position`` of ``ranks`` first in its block) the step directory, where it
+    relays one, to the other ranks of its block."""
     out: dict[int, tuple[list[ReadPiece], str | None]] = {
         rank: (pieces, None) for rank, pieces in owned.items()}
     block = relay_block(len(ranks))
-    if not position % block:
+    if step_dir is not None and not position % block:
         for rank in ranks[position + 1:position + block]:
             out[rank] = (out.get(rank, ([], None))[0], step_dir)
     return out
 
 
-def plan_load(ranks: comm.Comm, targets: Sequence[LocalShard], cache: str,
+def plan_load(ranks: comm.Comm, infos: Sequence[ShardInfo], cache: str,
               step_dir: str | None, what: str, error: BaseException | None = None,
-              shares: bool = True,
-              replicas: Replicas = NO_REPLICAS) -> tuple[str, "SharedReads"]:
-    """The plan step of a load, two sparse exchanges: the coordinator's ``step_dir``
-    to the first rank of each block of ``relay_block`` ranks and, where the group
-    carries the bytes (``shares``), every rank's targets to the owners of their
-    tensors; then each holder's pieces back from the owners, and the step directory
-    from the first rank of its block (the coordinator sending it to every rank sent
-    1 MB, one message per rank, at 16,016 ranks). Without ``shares`` each rank plans
-    its own targets alone.
-
-    With ``replicas`` the member ``i`` of a class sends its targets to the owners of
-    column ``i % columns``, who plan the reads of the ranks that sent them: storage
-    serves each byte once per column, and a reader sends what it read to the few
-    holders of its column on other hosts, not to every replica of the job. Any
-    split into columns is correct: each rank is planned from its own targets."""
-    infos = [t.info() for t in targets]
+              shares: bool = True, asks: bool = True,
+              relays: bool = True) -> tuple[str, list[ReadPiece]]:
+    """The owners' plan of a load, two sparse exchanges: the coordinator's
+    ``step_dir`` to the first rank of each block of ``relay_block`` ranks (unless the
+    ranks know it already: not ``relays``) and, where the group carries the bytes
+    (``shares``) and this rank ``asks`` (it is in no replica class), its targets to
+    the owners of their tensors; then each holder's pieces back from the owners, and
+    the step directory from the first rank of its block (the coordinator sending it to
+    every rank sent 1 MB, one message per rank, at 16,016 ranks). Without ``shares``
+    each rank plans its own targets alone. Returns the step directory and this rank's
+    pieces."""
     position, block = ranks.ranks.index(ranks.rank), relay_block(len(ranks.ranks))
     outgoing: dict[int, LoadRequest | str] = {}
-    if shares:
-        column = replicas.of(ranks.rank)[1] % replicas.columns
-        outgoing = {owner: LoadRequest(tuple(mine), cache) for owner, mine in route(
-            infos, ranks.ranks, (column,), replicas.columns).items()}
-    if ranks.is_coordinator:
+    if shares and asks:
+        outgoing = {owner: LoadRequest(tuple(mine), cache)
+                    for owner, mine in route(infos, ranks.ranks).items()}
+    if ranks.is_coordinator and relays:
         outgoing = to_relays(outgoing, ranks.ranks, step_dir)
     received = ranks.exchange(outgoing, what, error)
-    if not position % block:
+    if relays and not position % block:
         picked = received[ranks.coordinator]
         step_dir = picked if isinstance(picked, str) else picked.step_dir
     owned, error = {}, None
@@ -242,12 +256,86 @@ def plan_load(ranks: comm.Comm, targets: Sequence[LocalShard], cache: str,
         owned = plan_reads({r: q for r, q in received.items() if isinstance(q, LoadRequest)})
     except ValueError as exc:  # targets that disagree on a tensor's global shape
         error = CheckpointError(f"targets disagree: {exc}")
-    received = ranks.exchange(replies(owned, ranks.ranks, position, step_dir), what, error)
-    if position % block:
+    received = ranks.exchange(
+        replies(owned, ranks.ranks, position, step_dir if relays else None), what, error)
+    if relays and position % block:
         step_dir = received[ranks.ranks[position - position % block]][1]
     pieces = [p for part, _ in received.values() for p in part] if shares else plan_reads(
         {ranks.rank: LoadRequest(tuple(infos), cache)}).get(ranks.rank, [])
-    return step_dir, SharedReads.build(ranks.rank, targets, pieces, ranks.group)
+    return step_dir, pieces
+
+
+@dataclass(frozen=True)
+class ClassPeers:
+    """What a member of a replica class knows of its class before its reads: the
+    members, each one's page cache (``_name`` of it), and whether any member's
+    targets differ from this rank's (``mismatch``: then the load fails)."""
+
+    members: tuple[int, ...]
+    caches: dict[int, int]
+    mismatch: str | None = None
+
+
+def _name(text: str) -> int:
+    """A 63-bit name of ``text``, the same in every process."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def peer_names(infos: Sequence[ShardInfo], cache: str) -> list[int]:
+    """What a member tells the others of its class: a 63-bit name of its targets
+    (keys, global shapes, boxes, dtypes) and of its page cache."""
+    return [_name(repr(sorted((i.key, tuple(i.global_shape), i.box.offset, i.box.shape,
+                               i.dtype) for i in infos))), _name(cache)]
+
+
+def class_peers(ranks: comm.Comm, members: tuple[int, ...], infos: Sequence[ShardInfo],
+                cache: str) -> ClassPeers:
+    """This rank's ``peer_names`` sent to every other member of its replica class and
+    theirs received (``Comm.swap``: 16 bytes each way per member): the members split
+    their reads on the promise that their targets are the same, so a class whose
+    members' targets differ is found here, before anything is read or sent."""
+    mine = peer_names(infos, cache)
+    heard = ranks.swap([m for m in members if m != ranks.rank], mine)
+    return peers_of(ranks.rank, members, {**heard, ranks.rank: mine})
+
+
+def peers_of(rank: int, members: tuple[int, ...], heard: dict[int, list[int]]) -> ClassPeers:
+    """``rank``'s view of its class from every member's ``peer_names``."""
+    differ = [m for m in members if heard[m][0] != heard[rank][0]]
+    mismatch = (f"replica class {list(members[:8])}: rank(s) {differ[:8]} hold other "
+                f"targets than rank {rank}; a class's members must hold the same boxes "
+                f"of the same tensors (build the classes from the layout, "
+                f"parallel.shards.replica_classes, or pass none)") if differ else None
+    return ClassPeers(members, {m: heard[m][1] for m in members}, mismatch)
+
+
+def class_pieces(rank: int, infos: Sequence[ShardInfo], entries: dict[str, TensorEntry],
+                 peers: ClassPeers) -> list[ReadPiece]:
+    """A member's pieces of its class's load, decided by every member alike from its
+    own targets (the same as the others', ``class_peers``) and the step's file grids,
+    with no message: the targets' cells (``common_refinement`` of this rank's own
+    boxes) cut along the files, each read by one member (largest first, to the member
+    that reads the fewest bytes so far), who sends it to the members on other page
+    caches; members sharing the reader's page cache read it themselves. Storage serves
+    each byte once per class that holds it (per class and page cache: never more than
+    the class's members)."""
+    members, caches = peers.members, peers.caches
+    units = [(cell.key, box, box.numel * DTYPE_ITEMSIZE[entries[cell.key].dtype])
+             for cell in common_refinement({rank: infos})
+             for box in grid_cut(cell.box, entries[cell.key].shard)]
+    units.sort(key=lambda u: (-u[2], u[0], u[1].offset))
+    loads = [(0, index) for index in range(len(members))]
+    pieces = []
+    for key, box, nbytes in units:
+        load, index = heapq.heappop(loads)
+        heapq.heappush(loads, (load + nbytes, index))
+        reader = members[index]
+        if caches[reader] != caches[rank]:
+            pieces.append(ReadPiece(key, box, reader))
+            continue
+        away = tuple(m for m in members if caches[m] != caches[rank]) if reader == rank else ()
+        pieces.append(ReadPiece(key, box, rank, away))
+    return pieces
 
 
 @dataclass
@@ -265,16 +353,18 @@ class SharedReads:
     """Who reads which bytes of a collective load, so storage serves each byte once.
 
     The targets of each tensor are cut into the cells of their common refinement (by
-    the tensor's owner, ``plan_reads``); a cell held by several ranks is read from
-    storage by one of them (largest first, to the holder that reads the fewest bytes so
-    far, as the writer's plan assigns writers). Holders that share its reader's page cache (one kernel: the same host) read it
-    themselves: the kernel serves their reads from the pages the first read brought
-    in, so storage still serves the bytes once, and a read from the page cache costs
-    less than a message (measured: a same-layout load of two data-parallel replicas
-    on one host took twice as long exchanging over gloo). Holders on other hosts, and
-    every holder on object storage, receive the cell from its reader: one message per
-    pair of ranks, the cells packed in plan order. Needs a group whose backend carries
-    CPU tensors (gloo); under any other backend every rank reads all it needs.
+    the tensor's owner, ``plan_reads``; within a replica class, by every member alike,
+    ``class_pieces``); a cell held by several ranks is read from storage by one of
+    them (largest first, to the holder that reads the fewest bytes so far, as the
+    writer's plan assigns writers). Holders that share its reader's page cache (one
+    kernel: the same host) read it themselves: the kernel serves their reads from the
+    pages the first read brought in, so storage still serves the bytes once, and a read
+    from the page cache costs less than a message (measured: a same-layout load of two
+    data-parallel replicas on one host took twice as long exchanging over gloo). Holders
+    on other hosts, and every holder on object storage, receive the cell from its
+    reader: one message per pair of ranks, the cells packed in plan order. Needs a
+    group whose backend carries CPU tensors (gloo); under any other backend every rank
+    reads all it needs.
     """
 
     def __init__(self, rank: int, pieces: list[_Piece], sends: dict[int, list[torch.Tensor]],

@@ -73,10 +73,9 @@ def state_shards(model: torch.nn.Module,
 def state_replicas(layout: Layout,
                    optimizer: StageOptimizer | DistributedOptimizer) -> checkpoint.Replicas:
     """Which ranks hold the same training state (``state_shards``): each stage's
-    data-parallel replicas, so a save plans from one of them (``checkpoint.Replicas``);
-    none under ZeRO-1, whose replicas hold different parts of the optimizer state.
-    Loads do not take them: a load with replicas reads each byte once per column
-    from storage, not once per job (docs/checkpoint-format.md, "Replicas")."""
+    data-parallel replicas, so a save plans from one of them and a load's members
+    share their class's reads (``checkpoint.Replicas``); none under ZeRO-1, whose
+    replicas hold different parts of the optimizer state."""
     if isinstance(optimizer, DistributedOptimizer):
         return checkpoint.Replicas()
     return checkpoint.Replicas(replica_classes(layout))

@@ -309,7 +309,8 @@ def resume(runner: StageRunner, load_dir: str, seed: int, data: DataConfig | Non
     check_resumable(manifest, runner.recipe, seed, data, allow_data_change)
     check_lr_schedule(manifest, runner.optimizer)
     checkpoint.load(path, state_shards(runner.model, runner.optimizer),
-                    group=runner.groups.active)
+                    group=runner.groups.active,
+                    replicas=state_replicas(runner.groups.layout, runner.optimizer))
     runner.optimizer.copy_main_to_model()
     restore_non_tensor_state(manifest, runner.optimizer)
     log.info(describe_load(path, manifest, runner.groups.layout))

@@ -2,7 +2,9 @@
 
 Saves from TP-4-style boxes where every quarter has two holders (replicas), then
 loads into halves, 3-way uneven boxes and whole tensors (bf16 and fp32, bit-exact),
-saves from a sub-group that excludes rank 0, and measures bytes read. The loads run
+saves from a sub-group that excludes rank 0, and measures bytes read; then loads
+with replica classes under seeded random layouts (compared with a single-process read)
+and with a false class and classes that differ between ranks (each must fail). The loads run
 twice: as they are (one host: replicas share the page cache and read their own
 bytes), and as if every rank ran on its own host (replicas share reads over gloo); on
 object storage once (every rank is its own host there). Rank 0 writes
@@ -97,6 +99,92 @@ def mismatches(targets) -> list[str]:
     return bad
 
 
+CLASS_SEEDS = range(6)
+"""The seeded random layouts of the replica-class pass (``class_targets``)."""
+
+
+def class_targets(seed: int, rank: int):
+    """Seeded random replica classes of the 4 ranks, each class's targets the same
+    random boxes (cuts along each tensor's split dimension, or the whole tensor; a
+    class may hold nothing: idle ranks), with ranks in a random order: this rank's
+    targets and every rank's classes (classes of one included)."""
+    import random
+
+    from elastor_mcore.checkpoint import Replicas
+
+    rng = random.Random(seed)
+    order = rng.sample(range(4), 4)
+    sizes = rng.choice([(2, 2), (3, 1), (2, 1, 1), (4,), (1, 1, 2)])
+    classes, start = [], 0
+    for size in sizes:
+        classes.append(tuple(sorted(order[start:start + size])))
+        start += size
+    mine = next(i for i, members in enumerate(classes) if rank in members)
+    local = random.Random(seed * 100 + mine)
+    targets = []
+    if local.random() < 0.15:
+        return targets, Replicas(tuple(sorted(classes)))
+    for key, (shape, _, dim) in TENSORS.items():
+        if dim is None or local.random() < 0.2:
+            targets.append(piece(key, None, 0, 0, fill=-7.0))
+            continue
+        cuts = sorted(local.sample(range(1, shape[dim]), 2))
+        lo, hi = local.choice([(0, cuts[0]), (cuts[0], cuts[1]), (cuts[1], shape[dim]),
+                               (0, cuts[1])])
+        targets.append(piece(key, dim, lo, hi, fill=-7.0))
+    return targets, Replicas(tuple(sorted(classes)))
+
+
+def single_process_read(path: str, targets) -> tuple[list[str], int]:
+    """Targets whose bits differ from a single-process read of the checkpoint, and the
+    bytes that read took from storage (what one rank alone reads for them)."""
+    from elastor_mcore import checkpoint as ck
+
+    reader = ck.open(path)
+    bad = []
+    before = ck.storage_bytes_read()
+    for t in targets:
+        want = reader.read(t.key, t.box)
+        ints = {2: torch.int16, 4: torch.int32}[want.element_size()]
+        if not torch.equal(t.data.view(ints), want.view(ints)):
+            bad.append(f"{t.key} {t.box}")
+    return bad, ck.storage_bytes_read() - before
+
+
+def class_loads(root: str, rank: int) -> dict:
+    """Loads with replica classes (``load(..., replicas=)``) under seeded random
+    layouts, each as one host and as a host per rank; a false class (members holding
+    different boxes) and classes that differ between ranks, each of which must fail
+    on every rank with ``CheckpointError``."""
+    from elastor_mcore import checkpoint as ck
+    from elastor_mcore.checkpoint import Replicas, reader
+
+    out: dict = {"seeds": {}}
+    real_page_cache = reader.page_cache_id
+    for seed in CLASS_SEEDS:
+        targets, replicas = class_targets(seed, rank)
+        hosts = "a host per rank" if seed % 2 else "one host"
+        reader.page_cache_id = (lambda: f"host {rank}") if seed % 2 else real_page_cache
+        before = ck.storage_bytes_read()
+        ck.load(f"{root}/world", targets, replicas=replicas)
+        read = ck.storage_bytes_read() - before
+        bad, alone = single_process_read(f"{root}/world", targets)
+        out["seeds"][seed] = dict(hosts=hosts, classes=[list(c) for c in replicas.classes],
+                                  mismatches=bad, bytes_read=read, bytes_alone=alone)
+    reader.page_cache_id = lambda: f"host {rank}"
+    for name, targets, replicas in (
+            ("false class", load_boxes(rank, "halves"), Replicas(((0, 1), (2, 3)))),
+            ("classes differ between ranks", load_boxes(rank, "halves"),
+             Replicas(((0, 2), (1, 3)) if rank else ((0, 1), (2, 3))))):
+        try:
+            ck.load(f"{root}/world", targets, replicas=replicas)
+            out[name] = "loaded"
+        except ck.CheckpointError as exc:
+            out[name] = str(exc)
+    reader.page_cache_id = real_page_cache
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -134,6 +222,8 @@ def main() -> None:
                 bytes_needed=sum(t.data.numel() * t.data.element_size() for t in targets),
                 tensor_bytes=sum(truth(k).numel() * truth(k).element_size() for k in TENSORS))
     reader.page_cache_id = real_page_cache
+    if not root.startswith("s3://"):
+        report["classes"] = class_loads(root, rank)
 
     if args.no_subgroup:
         write_world_result(out, report, saved.plan)
