@@ -24,8 +24,10 @@ scattered over the nodes. Per case:
   (``parallel.shards.replica_classes``, as the trainer passes them without ZeRO-1;
   built once per layout, its CPU reported apart as ``replicas_s``), or without them
   (``--no-replicas``: one owner per tensor hearing from every holder);
-* **grad cells**: the gradient-reduction cells and buckets (``runtime.grad_sync``,
-  unchanged: a gather of every rank's boxes and the whole job's refinement);
+* **grad cells**: the gradient-reduction cells and buckets (``runtime.grad_sync``):
+  each rank's cells of its own tensors, derived from the layout (``parallel.holders``),
+  the job's holder sets whose groups every rank creates, and the checks (an all-reduce
+  of 16 bytes per holder set a rank is in, one job-wide flag);
 * **planner**: ``planner.plan`` for the alive GPUs (H100-80GB profile).
 
 Collectives go through ``SimComm``, all of them job-wide; each records the bytes every
@@ -33,8 +35,8 @@ rank sends and receives (pickled, as ``Comm.exchange`` and ``all_gather_object``
 them), grouped into DCP's steps. Per-rank CPU is ``time.process_time`` of each rank's
 share of the work (pickling what it sends, unpickling what it receives, planning),
 for every simulated rank of a save or load (``SharedReads.build`` only on
-``--samples`` ranks) and, for the grad cells, where every rank computes the same
-whole-job refinement, on ``--samples`` ranks. Nothing here writes or reads storage.
+``--samples`` ranks) and, for the grad cells, on ``--samples`` ranks (each timed three
+times, the least kept). Nothing here writes or reads storage.
 """
 
 from __future__ import annotations
@@ -63,11 +65,12 @@ from elastor_mcore.checkpoint.plan import (  # noqa: E402
     NO_REPLICAS, LocalShard, Replicas, WritePlan, held_bytes, merge, plan_owned, route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
-from elastor_mcore.geometry import common_refinement  # noqa: E402
 from elastor_mcore.parallel.layout import Layout, layout_from_dict  # noqa: E402
-from elastor_mcore.parallel.shards import layout_shard_infos, replica_classes  # noqa: E402
+from elastor_mcore.parallel.holders import LocalTensor, Placement, plan_rank  # noqa: E402
+from elastor_mcore.parallel.shards import (  # noqa: E402
+    layout_shard_infos, replica_classes, stage_tensors)
 from elastor_mcore.planner import PlannerError, load_hardware, plan  # noqa: E402
-from elastor_mcore.runtime.grad_sync import reduction_plan  # noqa: E402
+from elastor_mcore.runtime.grad_sync import reduction_plan, spans_stages  # noqa: E402
 from elastor_mcore.runtime.state import chunk_policy  # noqa: E402
 
 GPUS_PER_NODE = 8
@@ -385,23 +388,47 @@ def load_case(recipe: Recipe, layout: Layout, samples: int,
 
 
 def grad_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
-    """``grad_sync.Refinement.build`` and ``reduction_plan``: gather every rank's model
-    shards, their common refinement, the buckets of cells held in several pipelines."""
+    """``grad_sync.Refinement.build`` as each rank runs it (``parallel.holders``): the
+    layout's stage kinds, its own tensors' cells, every holder set of the job (whose
+    groups every rank creates), its digests (``plan_rank``) and its reduction buckets
+    (``reduction_plan``), on ``samples`` ranks; then each of its holder sets' check
+    (an all-reduce of 16 bytes in that set's group) and the job-wide flag (8 bytes)."""
     ranks = list(layout.ranks)
     sim = SimComm(ranks)
-    payloads = pickled(recipe, layout, prefixes=("",))
-    sim.all_gather_sizes("gather shard boxes", {r: len(p) for r, p in payloads.items()})
-    pipeline_of = {r: layout.position(r).pipeline for r in ranks}
+    sim.all_reduce("agree", 8)
     per_rank = []
     for rank in sample_ranks(ranks, samples):
-        unpickle_s, gathered = cpu(lambda: {r: pickle.loads(p) for r, p in payloads.items()})
-        plan_s, buckets = cpu(lambda: reduction_plan(common_refinement(gathered), pipeline_of))
-        mine = sum(rank in holders for holders in buckets)
-        per_rank.append({"rank": rank, "unpickle_s": unpickle_s, "plan_s": plan_s,
-                         "total_s": unpickle_s + plan_s, "buckets": mine})
-        del gathered
-    return {"ranks": len(ranks), "per_rank": per_rank, **sim.summary(),
-            "plan_cpu_s_max": max(p["total_s"] for p in per_rank)}
+        tensors = model_tensors(recipe, layout, rank)
+
+        def derive():
+            placement = Placement(layout)
+            plan = plan_rank(placement, rank, tensors, False, spans_stages)
+            return plan, reduction_plan(plan.cells, plan.sets, rank)
+        seconds, (plan, buckets) = cpu(derive)
+        seconds = min(seconds, *(cpu(derive)[0] for _ in range(2)))
+        assert not plan.problems, plan.problems
+        per_rank.append({"rank": rank, "plan_s": seconds, "cells": len(plan.cells),
+                         "buckets": len(buckets), "groups_created": len(plan.groups),
+                         "group_members_listed": sum(len(g) for g in plan.groups),
+                         "checks": len(plan.digests),
+                         "check_bytes": 2 * 2 * 16 * len(plan.digests)})
+    summary = sim.summary()
+    checks = max(p["check_bytes"] for p in per_rank)
+    return {"ranks": len(ranks), "per_rank": per_rank, **summary,
+            "max_exchanged_bytes": summary["max_exchanged_bytes"] + checks,
+            "plan_cpu_s_max": max(p["plan_s"] for p in per_rank)}
+
+
+def model_tensors(recipe: Recipe, layout: Layout, rank: int) -> list[LocalTensor]:
+    """``rank``'s model shards (``layout_shard_infos``) with the dimension TP splits each
+    (``stage_tensors``), as ``Refinement.build`` reads them from the model."""
+    position = layout.position(rank)
+    stages = layout.pipelines[position.pipeline].stages
+    dims = {key: dim for key, (_, dim) in stage_tensors(
+        recipe.model, layout.layer_range(position.pipeline, position.stage),
+        position.stage == 0, position.stage == len(stages) - 1).items()}
+    return [LocalTensor(info, dims[info.key])
+            for info in layout_shard_infos(recipe.model, layout, rank, prefixes=("",))]
 
 
 def planner_case(recipe: Recipe, world: int, lost: list[int]) -> tuple[dict, Layout | None]:
