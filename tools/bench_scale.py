@@ -6,6 +6,7 @@
         [--only uniform,save,load,grad] [--no-replicas] [--out FILE]
     PYTHONPATH=. python tools/bench_scale.py --table FILE...   # markdown tables
     PYTHONPATH=. python tools/bench_scale.py --table BEFORE AFTER --curve MODEL LOST
+        [--kinds save,load,grad]
     PYTHONPATH=. python tools/bench_scale.py --planner-table FILE...
 
 Each rank's state is what ``parallel.shards.layout_shard_infos`` derives from the
@@ -573,23 +574,25 @@ def planner_markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def curve_markdown(model: str, lost: int, runs: dict[str, list[dict]]) -> str:
-    """Per-rank plan CPU and bytes of ``model``'s save and load after losing ``lost``
-    GPUs, per world, for each run (``runs``: a label and its rows), and each figure's
-    growth from the smallest world to the largest that both have."""
-    header = ["GPUs"] + [f"{label} {what}" for label in runs
-                         for what in ("save CPU s", "save MB", "load CPU s", "load MB")]
+def curve_markdown(model: str, lost: int, runs: dict[str, list[dict]],
+                   kinds: tuple[str, ...] = ("save", "load")) -> str:
+    """Per-rank plan CPU and bytes of ``model``'s ``kinds`` of plan (save, load, grad)
+    after losing ``lost`` GPUs, per world, for each run (``runs``: a label and its
+    rows), and each figure's growth from the smallest world to the largest."""
+    header = ["GPUs"] + [f"{label} {kind} {what}" for label in runs for kind in kinds
+                         for what in ("CPU s", "MB")]
+    width = 2 * len(kinds)
     figures: dict[int, list[float | None]] = {}
     for i, rows in enumerate(runs.values()):
         for row in rows:
             if row["model"] != model:
                 continue
             case = next((f for f in row.get("failures", []) if f["lost"] == lost), {})
-            cells = figures.setdefault(row["world"], [None] * 4 * len(runs))
-            for j, kind in enumerate(("save", "load")):
+            cells = figures.setdefault(row["world"], [None] * width * len(runs))
+            for j, kind in enumerate(kinds):
                 if kind in case:
-                    cells[4 * i + 2 * j] = case[kind]["plan_cpu_s_max"]
-                    cells[4 * i + 2 * j + 1] = case[kind]["max_exchanged_bytes"] / 1e6
+                    cells[width * i + 2 * j] = case[kind]["plan_cpu_s_max"]
+                    cells[width * i + 2 * j + 1] = case[kind]["max_exchanged_bytes"] / 1e6
     worlds = sorted(w for w, cells in figures.items() if any(c is not None for c in cells))
     out = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] * len(header)) + " |"]
     for world in worlds:
@@ -623,8 +626,10 @@ def main() -> int:
     parser.add_argument("--planner-table", nargs="+", metavar="JSON",
                         help="print the planner's table of earlier runs and exit")
     parser.add_argument("--curve", nargs=2, metavar=("MODEL", "LOST"),
-                        help="with --table: MODEL's save and load after LOST lost GPUs "
+                        help="with --table: MODEL's plans (--kinds) after LOST lost GPUs "
                              "per world, a column group per JSON file, and the growth")
+    parser.add_argument("--kinds", default="save,load",
+                        help="with --curve: which plans (save, load, grad)")
     args = parser.parse_args()
     if args.planner_table:
         print(planner_markdown([r for path in args.planner_table
@@ -633,7 +638,8 @@ def main() -> int:
     if args.table:
         runs = {Path(path).stem: json.loads(Path(path).read_text())["rows"]
                 for path in args.table}
-        print(curve_markdown(args.curve[0], int(args.curve[1]), runs) if args.curve
+        print(curve_markdown(args.curve[0], int(args.curve[1]), runs,
+                             tuple(args.kinds.split(","))) if args.curve
               else markdown([r for rows in runs.values() for r in rows]))
         return 0
     gc.disable()

@@ -89,17 +89,6 @@ def view_like(data: torch.Tensor, param: torch.Tensor, other: torch.Tensor) -> t
     return other.as_strided(data.shape, data.stride(), offset)
 
 
-def gather_shard_infos(local: Iterable[ShardInfo], group=None) -> dict[int, list[ShardInfo]]:
-    """All ranks' shard descriptions (one ``all_gather_object``), keyed by global rank."""
-    import torch.distributed as dist
-
-    ranks = dist.get_process_group_ranks(group) if group is not None else \
-        list(range(dist.get_world_size()))
-    gathered: list = [None] * len(ranks)
-    dist.all_gather_object(gathered, list(local), group=group)
-    return dict(zip(ranks, gathered))
-
-
 ADAM_STATE_PREFIXES = ("", "optimizer.exp_avg.", "optimizer.exp_avg_sq.")
 """A training state's tensors per model weight: the fp32 main weight and AdamW's two
 moments (``runtime.state.state_shards``; mirrored here, which imports no runtime)."""
