@@ -85,9 +85,10 @@ class _Bucket:
 def reduction_plan(cells: list[Cell], sets: dict[tuple[int, ...], HolderSet], rank: int
                    ) -> dict[tuple[int, ...], list[Cell]]:
     """``rank``'s cells held in more than one stage, grouped by holder set, sorted."""
+    reduced = {ranks for ranks, held in sets.items() if held.stages > 1 and rank in ranks}
     plan: dict[tuple[int, ...], list[Cell]] = {}
     for cell in cells:
-        if rank in cell.holders and sets[cell.holders].stages > 1:
+        if cell.holders in reduced:
             plan.setdefault(cell.holders, []).append(cell)
     return dict(sorted(plan.items()))
 
