@@ -31,9 +31,10 @@ scattered over the nodes. Per case:
   of 16 bytes per holder set a rank is in, one job-wide flag);
 * **planner**: ``planner.plan`` for the alive GPUs (H100-80GB profile).
 
-Collectives go through ``SimComm``, all of them job-wide; each records the bytes every
-rank sends and receives (pickled, as ``Comm.exchange`` and ``all_gather_object`` move
-them), grouped into DCP's steps. Per-rank CPU is ``time.process_time`` of each rank's
+Job-wide collectives go through ``SimComm``; each records the bytes every rank sends
+and receives (pickled, as ``Comm.exchange`` and ``all_gather_object`` move them),
+grouped into DCP's steps (the grad cells' checks within holder sets are added to a
+rank's bytes apart). Per-rank CPU is ``time.process_time`` of each rank's
 share of the work (pickling what it sends, unpickling what it receives, planning),
 for every simulated rank of a save or load (``SharedReads.build`` only on
 ``--samples`` ranks) and, for the grad cells, on ``--samples`` ranks (each timed three
