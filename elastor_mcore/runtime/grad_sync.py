@@ -85,7 +85,7 @@ class _Bucket:
 def reduction_plan(cells: list[Cell], sets: dict[tuple[int, ...], HolderSet], rank: int
                    ) -> dict[tuple[int, ...], list[Cell]]:
     """``rank``'s cells held in more than one stage, grouped by holder set, sorted."""
-    reduced = {ranks for ranks, held in sets.items() if held.stages > 1 and rank in ranks}
+    reduced = {ranks for ranks, held in sets.items() if spans_stages(held) and rank in ranks}
     plan: dict[tuple[int, ...], list[Cell]] = {}
     for cell in cells:
         if cell.holders in reduced:
