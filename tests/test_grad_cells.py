@@ -25,9 +25,10 @@ from tests.test_scale_planning import RECIPE, random_layout
 SEEDS = range(24)
 
 
-def local_tensors(layout, rank: int, tied: bool) -> list[LocalTensor]:
+def local_tensors(layout, rank: int, tied: bool, prefix: str = "") -> list[LocalTensor]:
     """``rank``'s shards under ``layout`` with their TP-split dimensions; ``tied``: a
-    last stage's output layer is the word embedding (mcore's key for it)."""
+    last stage's output layer is the word embedding (mcore's key for it); ``prefix``
+    before every key (Megatron-LM's wrappers add ``module.``)."""
     position = layout.position(rank)
     if position is None:
         return []
@@ -38,16 +39,16 @@ def local_tensors(layout, rank: int, tied: bool) -> list[LocalTensor]:
     if tied and last:
         tensors[WORD_EMBEDDING] = tensors.pop("output_layer.weight")
     tp = stages[position.stage].tp
-    return [LocalTensor(ShardInfo(key, shape, tp_box(shape, dim, tp, position.tp_rank),
-                                  "float32"), dim)
+    return [LocalTensor(ShardInfo(prefix + key, shape,
+                                  tp_box(shape, dim, tp, position.tp_rank), "float32"), dim)
             for key, (shape, dim) in sorted(tensors.items())]
 
 
-def whole_job(layout, tied: bool):
+def whole_job(layout, tied: bool, prefix: str = ""):
     """The job-wide reference: every rank's shards, their common refinement, and each
     rank's (pipeline, stage)."""
-    infos = {r: [t.info for t in local_tensors(layout, r, tied)] for r in layout.ranks}
-    if not tied:  # the simulated shards are mcore's (tests/test_bench_scale.py)
+    infos = {r: [t.info for t in local_tensors(layout, r, tied, prefix)] for r in layout.ranks}
+    if not tied and not prefix:  # the simulated shards are mcore's (tests/test_bench_scale.py)
         assert infos == {r: layout_shard_infos(RECIPE.model, layout, r, prefixes=("",))
                          for r in layout.ranks}
     stage_of = {r: (layout.position(r).pipeline, layout.position(r).stage)
@@ -64,11 +65,12 @@ def source(holders, stage_of) -> int:
     return min(h for h in holders if stage_of[h][1] == 0)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied,prefix", [(False, ""), (True, ""), (True, "module.")],
+                         ids=["untied", "tied", "tied-prefixed"])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_each_ranks_cells_are_the_whole_jobs(seed, tied):
+def test_each_ranks_cells_are_the_whole_jobs(seed, tied, prefix):
     layout = random_layout(seed, copies=1 if seed % 2 else 3)
-    reference, stage_of = whole_job(layout, tied)
+    reference, stage_of = whole_job(layout, tied, prefix)
     placement = Placement(layout)
     created = {held.ranks for held in job_holder_sets(placement)}
     needed = {c.holders for c in reference
@@ -76,7 +78,7 @@ def test_each_ranks_cells_are_the_whole_jobs(seed, tied):
     assert needed <= created, (seed, sorted(needed - created)[:3])
     runs = {}
     for rank in range(max(layout.ranks) + 3):  # idle ranks too
-        tensors = local_tensors(layout, rank, tied)
+        tensors = local_tensors(layout, rank, tied, prefix)
         keys = {t.info.key for t in tensors}
         cells, sets = rank_cells(placement, rank, tensors, tied)
         assert cells == [c for c in reference if c.key in keys], (seed, rank)
@@ -91,11 +93,12 @@ def test_each_ranks_cells_are_the_whole_jobs(seed, tied):
         assert plan == {h: [c for c in reference if c.holders == h]
                         for h in sorted({c.holders for c in reference})
                         if rank in h and len({stage_of[r] for r in h}) > 1}, (seed, rank)
-        order = backward_order(lambda key: int(key.split(".")[2]) if "layers" in key else -1, 40)
+        order = backward_order(lambda key: int(key.split("layers.")[1].split(".")[0])
+                               if "layers" in key else -1, 40)
         runs[rank] = [(holders, tuple(run)) for holders, run in order(plan)]
     digests: dict[tuple[int, ...], set[int]] = {}
     for rank in layout.ranks:  # the members of each group agree on its cells
-        plan = plan_rank(placement, rank, local_tensors(layout, rank, tied), tied,
+        plan = plan_rank(placement, rank, local_tensors(layout, rank, tied, prefix), tied,
                          lambda held: len(held.ranks) > 1)
         assert plan.problems == [] and list(plan.digests) == [
             g for g in plan.groups if rank in g], (seed, rank)

@@ -39,10 +39,12 @@ from elastor_mcore.parallel.shards import tp_box
 if TYPE_CHECKING:
     from elastor_mcore.parallel.layout import Layout
 
-LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
+LAYER_KEY = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
+EMBEDDING_KEY = re.compile(r"(?:^|\.)embedding\.")
+"""Keys may carry the model's prefix (``module.`` under Megatron-LM's wrappers)."""
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 """The key a tied output layer's ShardedTensor has on a last stage (mcore's
-``LanguageModule.tie_embeddings_and_output_weights_state_dict``)."""
+``LanguageModule.tie_embeddings_and_output_weights_state_dict``), after the prefix."""
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,12 @@ class StageKind:
     """The stage's ranks (by TP rank) in each pipeline of the shape."""
 
     def holds(self, key: str, tied: bool) -> bool:
-        layer = LAYER_KEY.match(key)
+        layer = LAYER_KEY.search(key)
         if layer is not None:
             return int(layer.group(1)) in self.layers
-        if key.startswith("embedding."):
-            return self.first or (tied and self.last and key == WORD_EMBEDDING)
+        if EMBEDDING_KEY.search(key):
+            return self.first or (tied and self.last and (
+                key == WORD_EMBEDDING or key.endswith("." + WORD_EMBEDDING)))
         return self.last
 
 
