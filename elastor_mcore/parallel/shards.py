@@ -46,10 +46,13 @@ def shard_info(st) -> ShardInfo:
 
 
 def owning_parameter(model: torch.nn.Module, data: torch.Tensor) -> torch.nn.Parameter:
-    """The parameter whose storage ``data`` (a ShardedTensor's data) is a view of."""
-    ptr = data.untyped_storage().data_ptr()
+    """The parameter ``data`` (a ShardedTensor's data) is a view of: the one whose part
+    of their storage holds it (parameters may share one storage: Megatron's DDP keeps
+    them in one buffer under the distributed optimizer)."""
+    ptr, start = data.untyped_storage().data_ptr(), data.storage_offset()
     for p in model.parameters():
-        if p.untyped_storage().data_ptr() == ptr:
+        if p.untyped_storage().data_ptr() == ptr and \
+                p.storage_offset() <= start < p.storage_offset() + max(1, p.numel()):
             return p
     raise KeyError("sharded tensor data is not a view of any parameter of the model")
 
