@@ -235,13 +235,13 @@ def test_row_cuts_are_as_even_as_rows_and_chunks_allow():
     cells = [Cell("a", Box((0, 0), (5, 7)), (0, 1, 2)), Cell("b", Box((0,), (10,)), (0, 1, 2))]
     assert row_cuts(cells, 3, [1, 1]) == (0, 14, 28, 45)
     assert row_cuts(cells, 3, [4, 1]) == (0, 28, 28, 45)  # rows 0, 4 and the end only
-    bucket, = shard_buckets(cells, {0: 0, 1: 1, 2: 2}, {"a": 1, "b": 1})
+    bucket, = shard_buckets(cells, lambda holders: 3, {"a": 1, "b": 1})
     assert bucket.reduces and bucket.segment_numel == 17
     assert [(f.cell.key, f.box, f.offset) for f in bucket.fragments(1)] == [
         ("a", Box((2, 0), (2, 7)), 14)]
     assert [(f.cell.key, f.box, f.offset) for f in bucket.fragments(2)] == [
         ("a", Box((4, 0), (1, 7)), 28), ("b", Box((0,), (10,)), 35)]
-    one_pipeline, = shard_buckets(cells[1:], {0: 0, 1: 0, 2: 0}, {"b": 1})
+    one_pipeline, = shard_buckets(cells[1:], lambda holders: 1, {"b": 1})
     assert not one_pipeline.reduces and one_pipeline.cuts == (0, 3, 6, 10)
     offset_cell = [Cell("c", Box((8, 0), (8, 2)), (0, 1))]  # global rows 8..15
     assert row_cuts(offset_cell, 2, [4]) == (0, 8, 16)

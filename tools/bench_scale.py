@@ -6,6 +6,7 @@
         [--only uniform,save,load,grad] [--no-replicas] [--out FILE]
     PYTHONPATH=. python tools/bench_scale.py --table FILE...   # markdown tables
     PYTHONPATH=. python tools/bench_scale.py --table BEFORE AFTER --curve MODEL LOST
+        [--kinds save,load,grad]
     PYTHONPATH=. python tools/bench_scale.py --planner-table FILE...
 
 Each rank's state is what ``parallel.shards.layout_shard_infos`` derives from the
@@ -28,18 +29,21 @@ scattered over the nodes. Per case:
   the step directory through its relays); the save likewise with the classes (the
   owners hearing one member of each class per column) or without (one owner per
   tensor hearing from every holder);
-* **grad cells**: the gradient-reduction cells and buckets (``runtime.grad_sync``,
-  unchanged: a gather of every rank's boxes and the whole job's refinement);
+* **grad cells**: the gradient-reduction cells and buckets (``runtime.grad_sync``):
+  each rank's cells of its own tensors, derived from the layout (``parallel.holders``),
+  the job's holder sets whose groups every rank creates, and the checks (an all-reduce
+  of 16 bytes per holder set a rank is in, one job-wide flag);
 * **planner**: ``planner.plan`` for the alive GPUs (H100-80GB profile).
 
-Collectives go through ``SimComm``, all of them job-wide (a class's point-to-point
-messages count in the bytes only); each records the bytes every
-rank sends and receives (pickled, as ``Comm.exchange`` and ``all_gather_object`` move
-them), grouped into DCP's steps. Per-rank CPU is ``time.process_time`` of each rank's
-share of the work (pickling what it sends, unpickling what it receives, planning),
-for every simulated rank of a save or load (a load's pieces and ``SharedReads.build``
-only on ``--samples`` ranks) and, for the grad cells, where every rank computes the same
-whole-job refinement, on ``--samples`` ranks. Nothing here writes or reads storage.
+Job-wide collectives go through ``SimComm``; each records the bytes every rank sends
+and receives (pickled, as ``Comm.exchange`` and ``all_gather_object`` move them),
+grouped into DCP's steps (a class's point-to-point messages, and the grad cells'
+checks within holder sets, are added to a rank's bytes apart). Per-rank CPU is
+``time.process_time`` of each rank's share of the work (pickling what it sends,
+unpickling what it receives, planning), for every simulated rank of a save or load (a
+load's pieces and ``SharedReads.build`` only on ``--samples`` ranks) and, for the grad
+cells, on ``--samples`` ranks (each timed three times, the least kept). Nothing here
+writes or reads storage.
 """
 
 from __future__ import annotations
@@ -70,11 +74,12 @@ from elastor_mcore.checkpoint.plan import (  # noqa: E402
     route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
-from elastor_mcore.geometry import common_refinement  # noqa: E402
 from elastor_mcore.parallel.layout import Layout, layout_from_dict  # noqa: E402
-from elastor_mcore.parallel.shards import layout_shard_infos, replica_classes  # noqa: E402
+from elastor_mcore.parallel.holders import LocalTensor, Placement, plan_rank  # noqa: E402
+from elastor_mcore.parallel.shards import (  # noqa: E402
+    layout_shard_infos, replica_classes, stage_tensors)
 from elastor_mcore.planner import PlannerError, load_hardware, plan  # noqa: E402
-from elastor_mcore.runtime.grad_sync import reduction_plan  # noqa: E402
+from elastor_mcore.runtime.grad_sync import reduction_plan, spans_stages  # noqa: E402
 from elastor_mcore.runtime.state import chunk_policy  # noqa: E402
 
 GPUS_PER_NODE = 8
@@ -448,23 +453,47 @@ def saved_entries(recipe: Recipe, layout: Layout) -> dict[str, Any]:
 
 
 def grad_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
-    """``grad_sync.Refinement.build`` and ``reduction_plan``: gather every rank's model
-    shards, their common refinement, the buckets of cells held in several pipelines."""
+    """``grad_sync.Refinement.build`` as each rank runs it (``parallel.holders``): the
+    layout's stage kinds, its own tensors' cells, every holder set of the job (whose
+    groups every rank creates), its digests (``plan_rank``) and its reduction buckets
+    (``reduction_plan``), on ``samples`` ranks; then each of its holder sets' check
+    (an all-reduce of 16 bytes in that set's group) and the job-wide flag (8 bytes)."""
     ranks = list(layout.ranks)
     sim = SimComm(ranks)
-    payloads = pickled(recipe, layout, prefixes=("",))
-    sim.all_gather_sizes("gather shard boxes", {r: len(p) for r, p in payloads.items()})
-    pipeline_of = {r: layout.position(r).pipeline for r in ranks}
+    sim.all_reduce("agree", 8)
     per_rank = []
     for rank in sample_ranks(ranks, samples):
-        unpickle_s, gathered = cpu(lambda: {r: pickle.loads(p) for r, p in payloads.items()})
-        plan_s, buckets = cpu(lambda: reduction_plan(common_refinement(gathered), pipeline_of))
-        mine = sum(rank in holders for holders in buckets)
-        per_rank.append({"rank": rank, "unpickle_s": unpickle_s, "plan_s": plan_s,
-                         "total_s": unpickle_s + plan_s, "buckets": mine})
-        del gathered
-    return {"ranks": len(ranks), "per_rank": per_rank, **sim.summary(),
-            "plan_cpu_s_max": max(p["total_s"] for p in per_rank)}
+        tensors = model_tensors(recipe, layout, rank)
+
+        def derive():
+            placement = Placement(layout)
+            plan = plan_rank(placement, rank, tensors, False, spans_stages)
+            return plan, reduction_plan(plan.cells, plan.sets, rank)
+        seconds, (plan, buckets) = cpu(derive)
+        seconds = min(seconds, *(cpu(derive)[0] for _ in range(2)))
+        assert not plan.problems, plan.problems
+        per_rank.append({"rank": rank, "plan_s": seconds, "cells": len(plan.cells),
+                         "buckets": len(buckets), "groups_created": len(plan.groups),
+                         "group_members_listed": sum(len(g) for g in plan.groups),
+                         "checks": len(plan.digests),
+                         "check_bytes": 2 * 2 * 16 * len(plan.digests)})
+    summary = sim.summary()
+    checks = max(p["check_bytes"] for p in per_rank)
+    return {"ranks": len(ranks), "per_rank": per_rank, **summary,
+            "max_exchanged_bytes": summary["max_exchanged_bytes"] + checks,
+            "plan_cpu_s_max": max(p["plan_s"] for p in per_rank)}
+
+
+def model_tensors(recipe: Recipe, layout: Layout, rank: int) -> list[LocalTensor]:
+    """``rank``'s model shards (``layout_shard_infos``) with the dimension TP splits each
+    (``stage_tensors``), as ``Refinement.build`` reads them from the model."""
+    position = layout.position(rank)
+    stages = layout.pipelines[position.pipeline].stages
+    dims = {key: dim for key, (_, dim) in stage_tensors(
+        recipe.model, layout.layer_range(position.pipeline, position.stage),
+        position.stage == 0, position.stage == len(stages) - 1).items()}
+    return [LocalTensor(info, dims[info.key])
+            for info in layout_shard_infos(recipe.model, layout, rank, prefixes=("",))]
 
 
 def planner_case(recipe: Recipe, world: int, lost: list[int]) -> tuple[dict, Layout | None]:
@@ -611,23 +640,25 @@ def planner_markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def curve_markdown(model: str, lost: int, runs: dict[str, list[dict]]) -> str:
-    """Per-rank plan CPU and bytes of ``model``'s save and load after losing ``lost``
-    GPUs, per world, for each run (``runs``: a label and its rows), and each figure's
-    growth from the smallest world to the largest that both have."""
-    header = ["GPUs"] + [f"{label} {what}" for label in runs
-                         for what in ("save CPU s", "save MB", "load CPU s", "load MB")]
+def curve_markdown(model: str, lost: int, runs: dict[str, list[dict]],
+                   kinds: tuple[str, ...] = ("save", "load")) -> str:
+    """Per-rank plan CPU and bytes of ``model``'s ``kinds`` of plan (save, load, grad)
+    after losing ``lost`` GPUs, per world, for each run (``runs``: a label and its
+    rows), and each figure's growth from the smallest world to the largest."""
+    header = ["GPUs"] + [f"{label} {kind} {what}" for label in runs for kind in kinds
+                         for what in ("CPU s", "MB")]
+    width = 2 * len(kinds)
     figures: dict[int, list[float | None]] = {}
     for i, rows in enumerate(runs.values()):
         for row in rows:
             if row["model"] != model:
                 continue
             case = next((f for f in row.get("failures", []) if f["lost"] == lost), {})
-            cells = figures.setdefault(row["world"], [None] * 4 * len(runs))
-            for j, kind in enumerate(("save", "load")):
+            cells = figures.setdefault(row["world"], [None] * width * len(runs))
+            for j, kind in enumerate(kinds):
                 if kind in case:
-                    cells[4 * i + 2 * j] = case[kind]["plan_cpu_s_max"]
-                    cells[4 * i + 2 * j + 1] = case[kind]["max_exchanged_bytes"] / 1e6
+                    cells[width * i + 2 * j] = case[kind]["plan_cpu_s_max"]
+                    cells[width * i + 2 * j + 1] = case[kind]["max_exchanged_bytes"] / 1e6
     worlds = sorted(w for w, cells in figures.items() if any(c is not None for c in cells))
     out = ["| " + " | ".join(header) + " |", "| " + " | ".join(["---"] * len(header)) + " |"]
     for world in worlds:
@@ -661,8 +692,10 @@ def main() -> int:
     parser.add_argument("--planner-table", nargs="+", metavar="JSON",
                         help="print the planner's table of earlier runs and exit")
     parser.add_argument("--curve", nargs=2, metavar=("MODEL", "LOST"),
-                        help="with --table: MODEL's save and load after LOST lost GPUs "
+                        help="with --table: MODEL's plans (--kinds) after LOST lost GPUs "
                              "per world, a column group per JSON file, and the growth")
+    parser.add_argument("--kinds", default="save,load",
+                        help="with --curve: which plans (save, load, grad)")
     args = parser.parse_args()
     if args.planner_table:
         print(planner_markdown([r for path in args.planner_table
@@ -671,7 +704,8 @@ def main() -> int:
     if args.table:
         runs = {Path(path).stem: json.loads(Path(path).read_text())["rows"]
                 for path in args.table}
-        print(curve_markdown(args.curve[0], int(args.curve[1]), runs) if args.curve
+        print(curve_markdown(args.curve[0], int(args.curve[1]), runs,
+                             tuple(args.kinds.split(","))) if args.curve
               else markdown([r for rows in runs.values() for r in rows]))
         return 0
     gc.disable()

@@ -46,12 +46,41 @@ def shard_info(st) -> ShardInfo:
 
 
 def owning_parameter(model: torch.nn.Module, data: torch.Tensor) -> torch.nn.Parameter:
-    """The parameter whose storage ``data`` (a ShardedTensor's data) is a view of."""
-    ptr = data.untyped_storage().data_ptr()
+    """The parameter ``data`` (a ShardedTensor's data) is a view of: the one whose part
+    of their storage holds it (parameters may share one storage: Megatron's DDP keeps
+    them in one buffer under the distributed optimizer)."""
+    ptr, start = data.untyped_storage().data_ptr(), data.storage_offset()
     for p in model.parameters():
-        if p.untyped_storage().data_ptr() == ptr:
+        if p.untyped_storage().data_ptr() == ptr and \
+                p.storage_offset() <= start < p.storage_offset() + max(1, p.numel()):
             return p
     raise KeyError("sharded tensor data is not a view of any parameter of the model")
+
+
+def tp_split_dim(model: torch.nn.Module, st, tp: int) -> int | None:
+    """The dimension a stage's TP ranks split ShardedTensor ``st``'s tensor along (None:
+    each holds it whole): where its box is narrower than the tensor; at TP 1, where
+    every box is whole, the one mcore marks on the parameter (``partition_dim``; set
+    for weights only when mcore initialises them) or the one its layer splits weights
+    along (column-parallel and embedding layers the first, row-parallel the second;
+    Transformer Engine's by ``parallel_mode``)."""
+    narrow = [d for d, (n, g) in enumerate(zip(st.local_shape, st.global_shape)) if n != g]
+    if narrow or tp > 1:
+        return narrow[0] if narrow else None
+    param = owning_parameter(model, st.data)
+    if getattr(param, "tensor_model_parallel", False):
+        return int(param.partition_dim)
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding)
+
+    for module in model.modules():
+        if dict(module.named_parameters(recurse=False)).get("weight") is param:
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                return 0
+            if isinstance(module, RowParallelLinear):
+                return 1
+            return {"column": 0, "row": 1}.get(getattr(module, "parallel_mode", None))
+    return None
 
 
 def view_like(data: torch.Tensor, param: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -63,25 +92,14 @@ def view_like(data: torch.Tensor, param: torch.Tensor, other: torch.Tensor) -> t
     return other.as_strided(data.shape, data.stride(), offset)
 
 
-def gather_shard_infos(local: Iterable[ShardInfo], group=None) -> dict[int, list[ShardInfo]]:
-    """All ranks' shard descriptions (one ``all_gather_object``), keyed by global rank."""
-    import torch.distributed as dist
-
-    ranks = dist.get_process_group_ranks(group) if group is not None else \
-        list(range(dist.get_world_size()))
-    gathered: list = [None] * len(ranks)
-    dist.all_gather_object(gathered, list(local), group=group)
-    return dict(zip(ranks, gathered))
-
-
 ADAM_STATE_PREFIXES = ("", "optimizer.exp_avg.", "optimizer.exp_avg_sq.")
 """A training state's tensors per model weight: the fp32 main weight and AdamW's two
 moments (``runtime.state.state_shards``; mirrored here, which imports no runtime)."""
 
 
-def _split(shape: tuple[int, ...], dim: int | None, tp: int, tp_rank: int) -> Box:
+def tp_box(shape: tuple[int, ...], dim: int | None, tp: int, tp_rank: int) -> Box:
     """The box TP rank ``tp_rank`` of ``tp`` holds of a tensor split along ``dim``
-    (None: replicated), as mcore's tensor-parallel layers shard it."""
+    (None: replicated), as mcore's tensor-parallel layers shard it: equal parts."""
     if dim is None:
         return Box((0,) * len(shape), tuple(shape))
     part = shape[dim] // tp
@@ -90,6 +108,33 @@ def _split(shape: tuple[int, ...], dim: int | None, tp: int, tp_rank: int) -> Bo
     local = list(shape)
     local[dim] = part
     return Box(tuple(offset), tuple(local))
+
+
+def stage_tensors(model: "ModelConfig", layers: range, first: bool, last: bool
+                  ) -> dict[str, tuple[tuple[int, ...], int | None]]:
+    """The global tensors of a stage holding ``layers`` (a pipeline's ``first`` and/or
+    ``last`` stage), from the shapes alone: key -> (global shape, the dimension TP
+    splits, None where every TP rank holds it whole). mcore's local layer spec,
+    per-layer keys, SwiGLU ``fc1`` as ``_w``/``_v``, untied embeddings."""
+    h, ffn, vocab = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size
+    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.kv_channels
+    per_layer = {  # suffix: (global shape, TP-split dim)
+        "self_attention.linear_qkv.layer_norm_weight": ((h,), None),
+        "self_attention.linear_qkv.weight": ((qkv, h), 0),
+        "self_attention.linear_proj.weight": ((h, h), 1),
+        "mlp.linear_fc1.layer_norm_weight": ((h,), None),
+        "mlp.linear_fc1.weight_w": ((ffn, h), 0),
+        "mlp.linear_fc1.weight_v": ((ffn, h), 0),
+        "mlp.linear_fc2.weight": ((h, ffn), 1),
+    }
+    tensors = {f"decoder.layers.{layer}.{suffix}": spec
+               for layer in layers for suffix, spec in per_layer.items()}
+    if first:
+        tensors["embedding.word_embeddings.weight"] = ((vocab, h), 0)
+    if last:
+        tensors["decoder.final_layernorm.weight"] = ((h,), None)
+        tensors["output_layer.weight"] = ((vocab, h), 0)
+    return tensors
 
 
 def layout_shard_infos(model: "ModelConfig", layout: "Layout", rank: int, dtype: str = "float32",
@@ -107,26 +152,9 @@ def layout_shard_infos(model: "ModelConfig", layout: "Layout", rank: int, dtype:
         return []
     stages = layout.pipelines[position.pipeline].stages
     tp, t = stages[position.stage].tp, position.tp_rank
-    h, ffn, vocab = model.hidden_size, model.ffn_hidden_size, model.padded_vocab_size
-    qkv = (model.num_attention_heads + 2 * model.num_query_groups) * model.kv_channels
-    per_layer = {  # suffix: (global shape, TP-split dim)
-        "self_attention.linear_qkv.layer_norm_weight": ((h,), None),
-        "self_attention.linear_qkv.weight": ((qkv, h), 0),
-        "self_attention.linear_proj.weight": ((h, h), 1),
-        "mlp.linear_fc1.layer_norm_weight": ((h,), None),
-        "mlp.linear_fc1.weight_w": ((ffn, h), 0),
-        "mlp.linear_fc1.weight_v": ((ffn, h), 0),
-        "mlp.linear_fc2.weight": ((h, ffn), 1),
-    }
-    tensors = {f"decoder.layers.{layer}.{suffix}": spec
-               for layer in layout.layer_range(position.pipeline, position.stage)
-               for suffix, spec in per_layer.items()}
-    if position.stage == 0:
-        tensors["embedding.word_embeddings.weight"] = ((vocab, h), 0)
-    if position.stage == len(stages) - 1:
-        tensors["decoder.final_layernorm.weight"] = ((h,), None)
-        tensors["output_layer.weight"] = ((vocab, h), 0)
-    return sorted((ShardInfo(prefix + key, shape, _split(shape, dim, tp, t), dtype)
+    tensors = stage_tensors(model, layout.layer_range(position.pipeline, position.stage),
+                            position.stage == 0, position.stage == len(stages) - 1)
+    return sorted((ShardInfo(prefix + key, shape, tp_box(shape, dim, tp, t), dtype)
                    for key, (shape, dim) in tensors.items() for prefix in prefixes),
                   key=lambda info: info.key)
 

@@ -1,7 +1,8 @@
 """ZeRO-1 across heterogeneous replicas: each piece's optimizer state lives once.
 
-A piece is a cell of the common refinement of every rank's shards
-(``grad_sync.Refinement``); its *replica set* is the ranks holding it, which may span
+A piece is a cell of the common refinement of its holders' shards
+(``grad_sync.Refinement``: each rank cuts the tensors it holds, their holders derived
+from the layout); its *replica set* is the ranks holding it, which may span
 pipelines of different shapes (a TP4 rank and a TP2 rank hold the same quarter of a
 weight) and TP replicas (norms). The cells of one replica set form one flat buffer,
 in the order gradient reduction uses (``grad_sync``); the buffer is cut into one
@@ -38,7 +39,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,15 +139,16 @@ def row_cuts(cells: Sequence[Cell], parts: int, align: Sequence[int]) -> tuple[i
     return tuple(cuts)
 
 
-def shard_buckets(cells: Sequence[Cell], stage_of: dict[int, tuple[int, int]],
+def shard_buckets(cells: Sequence[Cell], stages: Callable[[tuple[int, ...]], int],
                   align: dict[str, int]) -> list[ShardBucket]:
-    """Every replica set's bucket, sorted by holders (the global issue order); cells
-    keep the refinement's order, as in the gradient reduction's buckets. ``align``:
-    per key, the rows segments may start at (multiples of it)."""
+    """Each replica set's bucket, sorted by holders (the global issue order); cells
+    keep the refinement's order, as in the gradient reduction's buckets. ``stages``:
+    how many stages hold a set; ``align``: per key, the rows segments may start at
+    (multiples of it)."""
     by_holders: dict[tuple[int, ...], list[Cell]] = {}
     for cell in cells:
         by_holders.setdefault(cell.holders, []).append(cell)
-    return [ShardBucket(holders, tuple(group), len({stage_of[h] for h in holders}) > 1,
+    return [ShardBucket(holders, tuple(group), stages(holders) > 1,
                         row_cuts(group, len(holders), [align[c.key] for c in group]))
             for holders, group in sorted(by_holders.items())]
 
@@ -179,7 +181,8 @@ def planned_state_bytes(buckets: Sequence[ShardBucket], rank: int) -> tuple[int,
 
 @dataclass
 class ShardPlan:
-    """The refinement and its buckets, with every multi-holder group created."""
+    """This rank's refinement and the buckets of the replica sets it is in, with every
+    multi-holder group the layout can give created."""
 
     refinement: Refinement
     buckets: list[ShardBucket]
@@ -189,12 +192,12 @@ class ShardPlan:
               chunking: ChunkPolicy, world_group=None) -> "ShardPlan":
         """Collective: every world rank calls it (idle ranks with ``model=None``);
         ``chunking`` is the checkpoint's (``runtime.state.chunk_policy``)."""
-        refinement = Refinement.build(layout, model, world_group)
+        refinement = Refinement.build(layout, model, cache, lambda held: len(held.ranks) > 1,
+                                      world_group)
         align = chunk_rows(refinement.cells, refinement.shapes, chunking)
-        buckets = shard_buckets(refinement.cells, refinement.stage_of, align)
-        for bucket in buckets:
-            if len(bucket.holders) > 1:
-                cache.get(bucket.holders)
+        rank = dist.get_rank()
+        buckets = shard_buckets([c for c in refinement.cells if rank in c.holders],
+                                lambda holders: refinement.sets[holders].stages, align)
         return cls(refinement, buckets)
 
 
@@ -247,12 +250,8 @@ class ZeroShards:
         self.plan = plan
         self._buckets: list[_Owned] = []
         local = plan.refinement.local
-        stage_of = plan.refinement.stage_of
         for bucket in _issue_order(plan.buckets, order):
-            if rank not in bucket.holders:
-                continue
             pieces = [local[c.key] for c in bucket.cells]
-            first_in_stage = min(h for h in bucket.holders if stage_of[h] == stage_of[rank])
             fragments = bucket.fragments(rank)
             mains = [torch.empty(frag.box.shape, dtype=torch.float32, device=device)
                      for frag in fragments]
@@ -260,7 +259,7 @@ class ZeroShards:
             owned = _Owned(
                 bucket, group, bucket.holders.index(rank),
                 [p.view(grad_buffer(p.param), c.box) for p, c in zip(pieces, bucket.cells)],
-                rank == first_in_stage,
+                rank == plan.refinement.sets[bucket.holders].stage_first,
                 [p.view(p.param.data, c.box) for p, c in zip(pieces, bucket.cells)],
                 fragments, mains,
                 torch.zeros(bucket.segment_numel, dtype=torch.float32, device=device))

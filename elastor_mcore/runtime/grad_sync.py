@@ -1,16 +1,24 @@
 """Gradient reduction across pipelines whose TP splits differ, and the global norm.
 
-Semantics (``docs/architecture.md``): the loss is the mean over every token of the global batch, so
-each pipeline's gradient is a partial sum and the true gradient is their sum. We cut
-every global tensor into the cells of the common refinement of all ranks' shards
-(``geometry.common_refinement``). For a cell held in several stages (of several
-pipelines, or the first and last stage of one pipeline, which share a tied word
-embedding), its holders all-reduce it in the group of exactly those holders; inside one
-stage the holders are TP replicas with identical gradients (norm weights), so only the
-lowest-ranked holder of each stage contributes and the others add zeros: each stage
-counts once, and a tied embedding's two uses in one pipeline add up. Cells that share a holder set are packed into one buffer and one all-reduce;
-groups are created once, and every rank issues the reductions in the same global
-order (sorted holder sets), which keeps overlapping groups from deadlocking.
+Semantics (``docs/architecture.md``): the loss is the mean over every token of the
+global batch, so each pipeline's gradient is a partial sum and the true gradient is
+their sum. Every global tensor is cut into the cells of the common refinement of its
+holders' shards (``geometry.common_refinement``). For a cell held in several stages
+(of several pipelines, or the first and last stage of one pipeline, which share a tied
+word embedding), its holders all-reduce it in the group of exactly those holders;
+inside one stage the holders are TP replicas with identical gradients (norm weights),
+so only the lowest-ranked holder of each stage contributes and the others add zeros:
+each stage counts once, and a tied embedding's two uses in one pipeline add up. Cells
+that share a holder set are packed into one buffer and one all-reduce.
+
+No rank plans the whole job: each cuts only the tensors it holds, from the boxes their
+holders hold, which it derives from the layout (``parallel.holders``), with no gather
+of shards. A rank knows only the holder sets it is in; every rank issues its
+reductions in one global order (sorted holder sets, or ``backward_order``'s, computed
+from each set's own cells, which all its members cut alike), which keeps overlapping
+groups from deadlocking. torch creates groups collectively, so every rank creates the
+groups of every holder set the layout can give, in sorted order (``Refinement.build``),
+and the members of each check that they cut its cells alike before any reduction.
 
 The gradient norm counts every element of every global tensor once: each cell is
 counted by its lowest-ranked holder, after reduction.
@@ -27,8 +35,10 @@ import torch.distributed as dist
 
 from elastor_mcore.parallel.groups import GroupCache
 from elastor_mcore.parallel.layout import Layout
-from elastor_mcore.geometry import Box, Cell, ShardInfo, common_refinement, local_view
-from elastor_mcore.parallel.shards import gather_shard_infos, owning_parameter, shard_info, sharded_tensors, view_like
+from elastor_mcore.geometry import Box, Cell, ShardInfo, local_view
+from elastor_mcore.parallel.holders import HolderSet, LocalTensor, Placement, plan_rank, short
+from elastor_mcore.parallel.shards import (owning_parameter, shard_info, sharded_tensors,
+                                           tp_split_dim, view_like)
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +82,20 @@ class _Bucket:
             sum(p.grad.nbytes for p in self.pieces if p.contributes))
 
 
-def reduction_plan(cells: list[Cell], stage_of: dict[int, tuple[int, int]]):
-    """Cells held in more than one stage, grouped by holder set, sorted."""
+def reduction_plan(cells: list[Cell], sets: dict[tuple[int, ...], HolderSet], rank: int
+                   ) -> dict[tuple[int, ...], list[Cell]]:
+    """``rank``'s cells held in more than one stage, grouped by holder set, sorted."""
+    reduced = {ranks for ranks, held in sets.items() if spans_stages(held) and rank in ranks}
     plan: dict[tuple[int, ...], list[Cell]] = {}
     for cell in cells:
-        if len({stage_of[h] for h in cell.holders}) > 1:
+        if cell.holders in reduced:
             plan.setdefault(cell.holders, []).append(cell)
     return dict(sorted(plan.items()))
+
+
+def spans_stages(held: HolderSet) -> bool:
+    """The holder sets gradient reduction groups: those held in more than one stage."""
+    return held.stages > 1
 
 
 Run = tuple[tuple[int, ...], list[Cell]]
@@ -140,27 +157,82 @@ class LocalPiece:
 
 @dataclass
 class Refinement:
-    """Every rank's shards cut into the cells of their common refinement, with this
-    rank's pieces (empty on idle ranks). Built on every world rank (collective)."""
+    """This rank's tensors cut into the cells of the common refinement of their
+    holders' shards, derived from the layout (``parallel.holders``), with this rank's
+    pieces (empty on idle ranks); every rank has created the groups of the holder sets
+    ``grouped`` selects, in one order. Built on every world rank (collective: the
+    groups, each group's check that its members cut their tensors alike, and one
+    job-wide flag, so that a model the layout's rules do not describe fails on every
+    rank with the reason instead of reducing wrong cells)."""
 
-    cells: list[Cell]
-    shapes: dict[str, tuple[int, ...]]   # global shape of every key
-    stage_of: dict[int, tuple[int, int]]  # rank -> (pipeline, stage)
+    cells: list[Cell]                        # every cell of the keys this rank holds
+    sets: dict[tuple[int, ...], HolderSet]   # the holder sets of those cells
+    shapes: dict[str, tuple[int, ...]]       # global shape of each of those keys
     local: dict[str, LocalPiece]
 
     @classmethod
-    def build(cls, layout: Layout, model: torch.nn.Module | None,
-              world_group=None) -> "Refinement":
-        shards = sharded_tensors(model) if model is not None else []
-        infos = [shard_info(st) for st in shards]
-        gathered = gather_shard_infos(infos, world_group)
-        cells = common_refinement(gathered)
-        shapes = {i.key: i.global_shape for held in gathered.values() for i in held}
-        local = {info.key: LocalPiece(st.data, owning_parameter(model, st.data), info)
-                 for st, info in zip(shards, infos)}
-        positions = {r: layout.position(r) for r in layout.ranks}
-        return cls(cells, shapes, {r: (p.pipeline, p.stage) for r, p in positions.items()},
-                   local)
+    def build(cls, layout: Layout, model: torch.nn.Module | None, cache: GroupCache,
+              grouped: Callable[[HolderSet], bool], world_group=None) -> "Refinement":
+        rank = dist.get_rank()
+        placement = Placement(layout)
+        where = placement.where(rank)
+        tp = placement.kinds[where.kind].tp if where is not None else 1
+        local: dict[str, LocalPiece] = {}
+        tensors = []
+        for st in sharded_tensors(model) if model is not None else []:
+            info = shard_info(st)
+            local[info.key] = LocalPiece(st.data, owning_parameter(model, st.data), info)
+            tensors.append(LocalTensor(info, tp_split_dim(model, st, tp)))
+        plan = plan_rank(placement, rank, tensors, tied_embeddings(model), grouped)
+        for ranks in plan.groups:
+            cache.get(ranks)
+        device = _device(model, world_group)
+        problems = list(plan.problems)
+        for ranks, digest in plan.digests.items():  # sorted: one order on every member
+            both = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=cache.get(ranks))
+            if int(both[0]) != -int(both[1]):
+                problems.append(f"the ranks {short(ranks)} cut the tensors they share "
+                                f"differently")
+        _agree(problems, device, world_group)
+        shapes = {key: piece.info.global_shape for key, piece in local.items()}
+        return cls(plan.cells, plan.sets, shapes, local)
+
+
+def tied_embeddings(model: torch.nn.Module | None) -> bool:
+    """Whether the model's output layer shares the word embedding (mcore's
+    ``share_embeddings_and_output_weights``), which last stages then hold too."""
+    return model is not None and any(
+        getattr(m, "share_embeddings_and_output_weights", False) for m in model.modules())
+
+
+def _device(model: torch.nn.Module | None, group) -> torch.device:
+    """Where this rank's check tensors live: its parameters' device, or on an idle rank
+    the backend's (NCCL needs a CUDA tensor)."""
+    param = next(model.parameters(), None) if model is not None else None
+    if param is not None:
+        return param.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(problems: list[str], device: torch.device, world_group) -> None:
+    """Raise on every rank if any rank found a problem (one all-reduce of one flag)."""
+    flag = torch.tensor([1 if problems else 0], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=world_group)
+    for problem in problems:
+        log.error("gradient cells: %s", problem)
+    if int(flag[0]):
+        raise ValueError(
+            "the gradient-reduction cells cannot be derived from the layout: "
+            + ("; ".join(problems[:3]) if problems else "another rank found that its "
+               "shards or cells differ (see its log)")
+            + ". Each rank derives its holders' boxes from the layout, as mcore's GPTModel "
+              "places tensors: decoder.layers.<n>.* on the stage holding layer n, "
+              "embedding.* on first stages, the rest on last stages, each split in equal "
+              "parts over a stage's TP ranks or held whole; a model placed otherwise "
+              "cannot be reduced across heterogeneous pipelines")
 
 
 @torch.no_grad()
@@ -177,18 +249,14 @@ def broadcast_replicas(layout: Layout, model: torch.nn.Module | None, cache: Gro
     rank) takes its lowest-ranked holder's on a first stage. Returns the elements this
     rank received."""
     rank = dist.get_rank()
-    refinement = Refinement.build(layout, model, world_group)
-    stage_of = refinement.stage_of
+    refinement = Refinement.build(layout, model, cache, spans_stages, world_group)
     received = 0
-    for holders, cells in reduction_plan(refinement.cells, stage_of).items():
-        group = cache.get(holders)
-        if model is None or rank not in holders:
-            continue
+    for holders, cells in reduction_plan(refinement.cells, refinement.sets, rank).items():
         views = [refinement.local[c.key].view(refinement.local[c.key].param.data, c.box)
                  for c in cells]
         flat = torch.cat([v.reshape(-1) for v in views])
-        source = _source(holders, stage_of)
-        dist.broadcast(flat, src=source, group=group)
+        source = refinement.sets[holders].source
+        dist.broadcast(flat, src=source, group=cache.get(holders))
         offset = 0
         for view in views:
             view.copy_(flat[offset:offset + view.numel()].view_as(view))
@@ -198,16 +266,6 @@ def broadcast_replicas(layout: Layout, model: torch.nn.Module | None, cache: Gro
     return received
 
 
-def _source(holders: tuple[int, ...], stage_of: dict[int, tuple[int, int]]) -> int:
-    """The holder whose value every holder of a cell starts from: the lowest-ranked,
-    or where two stages of one pipeline hold it (a tied embedding), the lowest-ranked
-    on a first stage."""
-    stages = {stage_of[h] for h in holders}
-    if len(stages) == len({pipeline for pipeline, _ in stages}):
-        return holders[0]
-    return min(h for h in holders if stage_of[h][1] == 0)
-
-
 class GradientSynchronizer:
     """Built once per layout on every world rank (group creation is collective).
     ``order`` decides the buckets and the order they are issued in (``BucketOrder``)."""
@@ -215,14 +273,12 @@ class GradientSynchronizer:
     def __init__(self, layout: Layout, model: torch.nn.Module | None, cache: GroupCache,
                  world_group=None, order: BucketOrder | None = None) -> None:
         rank = dist.get_rank()
-        refinement = Refinement.build(layout, model, world_group)
-        cells, stage_of = refinement.cells, refinement.stage_of
-        plan = reduction_plan(cells, stage_of)
+        refinement = Refinement.build(layout, model, cache, spans_stages, world_group)
+        cells, sets = refinement.cells, refinement.sets
+        plan = reduction_plan(cells, sets, rank)
         self._buckets: list[_Bucket] = []
         self._norm_views: list[torch.Tensor] = []
         self._grads: list[torch.Tensor] = []
-        for holders in plan:
-            cache.get(holders)
         if model is None:
             return
         for p in model.parameters():
@@ -231,14 +287,11 @@ class GradientSynchronizer:
         self._grads = [grad_buffer(p) for p in model.parameters()]
         local = refinement.local
         for holders, bucket_cells in (order(plan) if order else plan.items()):
-            if rank not in holders:
-                continue
             pieces = []
             for cell in bucket_cells:
                 piece = local[cell.key]
-                first_in_stage = min(h for h in holders if stage_of[h] == stage_of[rank])
                 pieces.append(_Piece(piece.view(grad_buffer(piece.param), cell.box),
-                                     rank == first_in_stage, piece.param))
+                                     rank == sets[holders].stage_first, piece.param))
             self._buckets.append(_Bucket(holders, cache.get(holders), pieces))
         for cell in cells:
             if cell.holders[0] == rank:
