@@ -74,6 +74,7 @@ from elastor_mcore.checkpoint.plan import (  # noqa: E402
     route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
+from elastor_mcore.geometry import common_refinement  # noqa: E402
 from elastor_mcore.parallel.layout import Layout, layout_from_dict  # noqa: E402
 from elastor_mcore.parallel.holders import LocalTensor, Placement, plan_rank  # noqa: E402
 from elastor_mcore.parallel.shards import (  # noqa: E402
