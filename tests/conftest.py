@@ -63,6 +63,11 @@ scheduler hands out the longest first, so that the run does not end on one worke
 with a long module still to go. A unit it does not list counts 0 s (it goes last)."""
 
 
+def recorded_unit_seconds() -> dict[str, float]:
+    """``UNIT_SECONDS``'s units and seconds (none before the first recording)."""
+    return json.loads(UNIT_SECONDS.read_text()) if UNIT_SECONDS.exists() else {}
+
+
 def pytest_addoption(parser):
     parser.addoption("--record-unit-seconds", action="store_true",
                      help=f"write each work unit's seconds (setup, call and teardown of "
@@ -83,7 +88,7 @@ class UnitSeconds:
         self.seconds[unit] = self.seconds.get(unit, 0.0) + report.duration
 
     def pytest_sessionfinish(self) -> None:
-        recorded = json.loads(UNIT_SECONDS.read_text()) if UNIT_SECONDS.exists() else {}
+        recorded = recorded_unit_seconds()
         recorded.update({unit: round(s, 1) for unit, s in self.seconds.items()})
         UNIT_SECONDS.write_text(json.dumps(dict(sorted(recorded.items())), indent=1) + "\n")
 
@@ -96,7 +101,7 @@ def pytest_xdist_make_scheduler(config, log):
     two workers overlap that. Units go out longest first (``UNIT_SECONDS``)."""
     from xdist.scheduler import LoadScopeScheduling
 
-    seconds = json.loads(UNIT_SECONDS.read_text()) if UNIT_SECONDS.exists() else {}
+    seconds = recorded_unit_seconds()
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -1,11 +1,10 @@
 """The suite's own scheduling (``conftest.pytest_xdist_make_scheduler``): the modules
 that share a session world must be found, or each worker builds that world again."""
 
-import json
 import re
 from pathlib import Path
 
-from tests.conftest import SHARED_WORLDS, UNIT_SECONDS, shared_world_of
+from tests.conftest import SHARED_WORLDS, recorded_unit_seconds, shared_world_of
 
 TESTS = Path(__file__).resolve().parent
 
@@ -25,7 +24,8 @@ def test_every_shared_world_is_found_in_the_modules_that_use_it():
 def test_the_recorded_unit_seconds_name_work_units_that_exist():
     """A unit renamed or removed would keep a stale cost, and its tests (under their new
     unit) would go last: record again (``pytest --record-unit-seconds``)."""
-    recorded = json.loads(UNIT_SECONDS.read_text())
+    recorded = recorded_unit_seconds()
+    assert recorded, "tests/unit_seconds.json is missing or empty"
     units = {f"tests/{path.name}" for path in TESTS.glob("test_*.py")
              if shared_world_of(path) is None} | set(SHARED_WORLDS)
     assert set(recorded) <= units, sorted(set(recorded) - units)

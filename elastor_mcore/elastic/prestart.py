@@ -39,10 +39,11 @@ def keeper_command(rank: RankCommand, in_place: bool) -> RankCommand:
 @contextlib.contextmanager
 def prestarted(enabled: bool, log_path: Path | None = None,
                env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
-    """While inside, a zygote runs (if ``enabled``; ``env`` added to its environment, which
-    its ranks inherit only as far as it runs at its start, such as a ``sitecustomize``
-    on its ``PYTHONPATH``: each rank gets its keeper's environment); yields the
-    environment that points the keepers to it (empty when not enabled)."""
+    """While inside, a zygote runs (if ``enabled``); yields the environment that points
+    the keepers to it (empty when not enabled). ``env`` is added to the zygote's own
+    environment: it shapes what the zygote's interpreter loads at its start (a
+    ``sitecustomize`` on ``PYTHONPATH``), which its ranks inherit; each rank runs with
+    its keeper's environment."""
     if not enabled:
         yield {}
         return
