@@ -31,6 +31,11 @@ from tests.checkpoint_checks import small_tmpfs
 from tests.conftest import REPO, TINY
 
 STEPS = "8"
+RANK_SCAN_S = 0.1
+"""How often the ranks are looked for until both exist: a scan of the process tree
+takes milliseconds of CPU, and the ranks exist seconds before any save."""
+MOMENT_POLL_S = 0.002
+"""How often the moment is checked once the ranks are known (a directory listing)."""
 
 
 def worker_ranks(proc: subprocess.Popen) -> dict[int, psutil.Process]:
@@ -71,7 +76,7 @@ def kill_when(args: list[str], log: Path, moment: Callable[[], bool], victim: in
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(f"the run ended or stalled before the kill:\n{log.read_text()[-4000:]}")
-            time.sleep(0.002)
+            time.sleep(MOMENT_POLL_S if len(ranks) == 2 else RANK_SCAN_S)
         ranks[victim].kill()
         assert proc.wait(timeout=120) != 0
     finally:

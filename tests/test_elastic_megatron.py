@@ -45,7 +45,7 @@ from elastor_mcore.elastic import node_timeline
 from elastor_mcore.elastic.report import read_metrics
 from elastor_mcore.elastic.timeline import LaunchRecord, recoveries, table
 from tests.conftest import REPO
-from tests.test_elastic_nodes import DEADLINE_S, Job, kill_agent
+from tests.test_elastic_nodes import DEADLINE_S, Job, kill_agent, stepping_round
 from tests.pretrain_gpt_run import (CPU_SHIMS, RUN_ENV, PretrainRun, default_args,
                                     run_pretrain_gpt, shimmed_env)
 
@@ -208,8 +208,8 @@ class MegatronNodes(Job):
 @pytest.fixture(scope="module")
 def nodes(patched_megatron_lm, start, tmp_path_factory) -> MegatronNodes:
     """Node a (2 slots, hosting the rendezvous store) and node b (2 slots) train from
-    iteration 1; once an iteration is done b's elastic agent is SIGKILLed (node loss:
-    its workers die with it) and a finishes alone."""
+    iteration 1; once the two have done an iteration together, b's elastic agent is
+    SIGKILLed (node loss: its workers die with it) and a finishes alone."""
     tmp = tmp_path_factory.mktemp("megatron-nodes")
     root = tmp / "checkpoints"
     shutil.copytree(start, root)
@@ -220,8 +220,9 @@ def nodes(patched_megatron_lm, start, tmp_path_factory) -> MegatronNodes:
         a = job.start("a", 2)
         job.wait("node a's agent hosting the rendezvous store", job.store_up, [a])
         b = job.start("b", 2)
-        job.wait("both nodes stepping", lambda: job.steps_done() >= 2 and any(
-            len({m["node"] for m in r["members"]}) == 2 for r in job.rounds("a", 0)), [a, b])
+        # killed before the two-node round has stepped, b would take a's ranks down in
+        # their start-up, found only by the start-up timeout (300 s)
+        job.wait("both nodes stepping", lambda: stepping_round(job, "a", 0, 2), [a, b])
         kill_agent(b)
         assert b.wait(timeout=60) == 1
         assert a.wait(timeout=DEADLINE_S) == 0, job.logs()
