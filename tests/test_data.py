@@ -34,7 +34,8 @@ from elastor_mcore.data.corpus import iter_texts, read_text, resolve_corpus
 from elastor_mcore.data.doc_index import JsonlDocuments, load_index
 from elastor_mcore.data.errors import DataError
 from elastor_mcore.data.packing import PackedSamples, PackingPlan
-from elastor_mcore.data.source import build_sample_source, fingerprint_change, prepare_data
+from elastor_mcore.data.prepare import fingerprint_change, prepare_data
+from elastor_mcore.data.source import build_sample_source
 from elastor_mcore.data.stdlib_corpus import prepare_demo_data
 from elastor_mcore.data.tasks import JsonlSpec, SampleTask
 from elastor_mcore.data.tokenizer import load_tokenizer, train_tokenizer

@@ -43,7 +43,8 @@ from elastor_mcore.data.corpus import iter_texts, resolve_corpus  # noqa: E402
 from elastor_mcore.data.doc_index import CACHE_DIR_NAME, load_index  # noqa: E402
 from elastor_mcore.data.packing import PackingPlan  # noqa: E402
 from elastor_mcore.data.samples import pipeline_sample_indices  # noqa: E402
-from elastor_mcore.data.source import build_sample_source, prepare_data  # noqa: E402
+from elastor_mcore.data.prepare import prepare_data  # noqa: E402
+from elastor_mcore.data.source import build_sample_source  # noqa: E402
 from elastor_mcore.data.stdlib_corpus import write_stdlib_corpus  # noqa: E402
 from elastor_mcore.data.tasks import JsonlSpec, open_jsonl_samples  # noqa: E402
 from elastor_mcore.data.tokenizer import TOKENIZER_FILE, train_tokenizer  # noqa: E402

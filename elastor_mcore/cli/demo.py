@@ -109,7 +109,7 @@ def demo_data(args: argparse.Namespace, recipe, out: Path) -> DataConfig:
     """The demo corpus (made and tokenised the first time) or synthetic tokens."""
     if args.synthetic_data:
         return DataConfig(kind="synthetic")
-    from elastor_mcore.data.source import prepare_data
+    from elastor_mcore.data.prepare import prepare_data
     from elastor_mcore.data.stdlib_corpus import prepare_demo_data
     data = prepare_demo_data(out / "data", recipe, max_mb=CORPUS_MB)
     summary = prepare_data(data, recipe)

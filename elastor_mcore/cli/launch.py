@@ -201,7 +201,7 @@ def with_trainer_data(config: JobConfig, prefix: str) -> JobConfig:
     settings = config.workload.settings
     print(f"{prefix}: data: {settings.data.describe()}", flush=True)
     validate_data_config(settings.data, config.recipe)  # fast, before the pipeline's imports
-    from elastor_mcore.data.source import prepare_data
+    from elastor_mcore.data.prepare import prepare_data
     summary = prepare_data(settings.data, config.recipe)
     data = replace(settings.data, fingerprint=summary.fingerprint)
     return replace(config, workload=Trainer(replace(settings, data=data)))

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             args, "train", default=DataConfig(kind="synthetic")))
         print(f"elastor train: data: {settings.data.describe()}", flush=True)
         validate_data_config(settings.data, recipe)  # fast, before the data pipeline's imports
-        from elastor_mcore.data.source import prepare_data
+        from elastor_mcore.data.prepare import prepare_data
         summary = prepare_data(settings.data, recipe)
         if summary.index_built:
             print(f"elastor train: indexed {summary.documents:,} documents "

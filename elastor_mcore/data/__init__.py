@@ -14,7 +14,9 @@ One concern per module, lowest first (each imports only modules above it):
 - ``prefetch``: the training-side source that stays ahead of the loop.
 - ``config``: fail-fast checks of a ``DataConfig`` (defined, with its flags, in
   ``config/data.py``).
-- ``source``: ``prepare_data`` and ``build_sample_source``, the runtime's entry points.
+- ``prepare``: ``prepare_data``, run once by the launcher before any rank starts (no
+  torch, so a launcher starts fast).
+- ``source``: ``build_sample_source``, each rank's entry point.
 - ``stdlib_corpus``: a demo corpus from the Python sources every machine has.
 
 This package's ``__init__`` imports nothing, so a worker process stays light.

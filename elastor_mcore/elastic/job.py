@@ -150,7 +150,7 @@ class Trainer(Workload):
 
     settings: RunSettings
     """Recipe file, steps, saving, seed, data, failure plan. Prepare the data once
-    beforehand (``data.source.prepare_data``)."""
+    beforehand (``data.prepare.prepare_data``)."""
     module = "elastor_mcore.elastic.rank.worker"
     node_module = "elastor_mcore.elastic.rank.node_worker"
     prestarted = True

@@ -26,7 +26,7 @@ from elastor_mcore.checkpoint import ChunkPolicy, CheckpointError, LocalShard, M
 from elastor_mcore.parallel.layout import Layout
 from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.data import DataConfig
-from elastor_mcore.data.source import fingerprint_change
+from elastor_mcore.data.prepare import fingerprint_change
 from elastor_mcore.parallel.shards import (
     owning_parameter, replica_classes, sharded_tensors, view_like)
 from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer
