@@ -65,14 +65,14 @@ def uniform_runs(patched_megatron_lm, tmp_path_factory, s3):
     """Three 4-rank runs: TP2 x DP2 from --elastor-layout with the plain optimizer and
     async zarr saves to S3; TP1 x DP4 from Megatron's own flags with the distributed
     optimizer and no Elastor flag (the floor); the first one's iteration-4 checkpoint
-    resumed from S3 as TP1 x PP2 x DP2. The first two run cold, as a user's ``torchrun
+    resumed from S3 as TP1 x PP2 x DP2. The first runs cold, as a user's ``torchrun
     pretrain_gpt.py`` does (the module's other runs fork from the pre-imported worker)."""
     root = tmp_path_factory.mktemp("pretrain_gpt")
     layout_run = _run(patched_megatron_lm, 4, [
         "--elastor-layout", "dp2-tp2-pp1", "--async-save",
         "--elastor-ckpt-format", "zarr", "--save", SAVE_URL,
         "--save-interval", str(SAVE_AT)], root / "a", cold=True)
-    plain_run = _run(patched_megatron_lm, 4, DISTOPT, root / "c", cold=True)
+    plain_run = _run(patched_megatron_lm, 4, DISTOPT, root / "c")
     return root, layout_run, plain_run
 
 
