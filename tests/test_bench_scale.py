@@ -6,7 +6,6 @@ the same layout's ``DistributedOptimizer``; and the tool itself on a small world
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -58,14 +57,6 @@ def described(infos) -> list[tuple]:
     return sorted((i.key, i.global_shape, i.box.offset, i.box.shape, i.dtype) for i in infos)
 
 
-def bench_scale():
-    """``tools/bench_scale.py`` as a module."""
-    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "tools/bench_scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.timeout(TIMEOUT)
 def test_simulated_shards_are_the_models(world):
     layout = load_layout(world / "permuted.yaml", RECIPE)
@@ -80,7 +71,9 @@ def test_simulated_zero1_shards_are_the_distributed_optimizers(world):
     checkpoints (``runtime.state.state_shards``): the same boxes, each element of the
     job once."""
     layout = load_layout(world / "permuted.yaml", RECIPE)
-    state = bench_scale().state_of(RECIPE, layout, zero1=True)
+    from tools import bench_scale
+
+    state = bench_scale.state_of(RECIPE, layout, zero1=True)
     for rank in layout.ranks:
         real = saved_shards(world / "saved-zero1.state" / f"rank{rank}.pt")
         assert described(state(rank)) == real, rank

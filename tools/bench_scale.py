@@ -3,7 +3,7 @@
 
     PYTHONPATH=. python tools/bench_scale.py [--models llama3-8b,llama3-70b,llama3-405b]
         [--worlds 64,512,4096,16384] [--lost 1,8,64] [--samples 3]
-        [--only uniform,save,load,grad] [--no-replicas] [--out FILE]
+        [--only uniform,save,load,grad] [--no-replicas] [--zero1] [--out FILE]
     PYTHONPATH=. python tools/bench_scale.py --table FILE...   # markdown tables
     PYTHONPATH=. python tools/bench_scale.py --table BEFORE AFTER --curve MODEL LOST
         [--kinds save,load,grad]
@@ -12,7 +12,9 @@
 Each rank's state is what ``parallel.shards.layout_shard_infos`` derives from the
 layout and the recipe's shapes (the fp32 main weights and AdamW's two moments of the
 rank's ShardedTensors; ``tests/test_bench_scale.py`` checks it against real mcore
-``sharded_state_dict()`` metadata). Per model and world: the uniform layout Megatron
+``sharded_state_dict()`` metadata); with ``--zero1`` the distributed optimizer's
+state instead, each rank's own rows of them (``state_of``, checked against a real
+``DistributedOptimizer``'s). Per model and world: the uniform layout Megatron
 would use (``UNIFORM``), and the planner's layout after losing 1, 8 and 64 GPUs
 scattered over the nodes. Per case:
 
@@ -555,11 +557,12 @@ def replicas_of(layout: Layout, replicated: bool, zero1: bool = False) -> Replic
     """The layout's replica classes (``parallel.shards.replica_classes``), as every
     rank builds them once per layout (not per save or load), indexed; or none; under
     ZeRO-1 none and ``disjoint``, as the trainer passes them
-    (``runtime.state.state_replicas``)."""
-    if zero1:
-        return Replicas(disjoint=True)
+    (``runtime.state.state_replicas``), or with ``--no-replicas`` none at all (each
+    tensor's owner plans its reads, as the trainer's ZeRO-1 loads did before)."""
     if not replicated:
         return NO_REPLICAS
+    if zero1:
+        return Replicas(disjoint=True)
     replicas = Replicas(replica_classes(layout))
     replicas.of(layout.ranks[0])
     return replicas
@@ -732,7 +735,8 @@ def main() -> int:
     parser.add_argument("--out", default="bench_scale.json")
     parser.add_argument("--no-replicas", action="store_true",
                         help="plan as without the layout's replica classes (one owner per "
-                             "tensor hearing from every holder)")
+                             "tensor hearing from every holder; with --zero1, the loads "
+                             "without disjoint)")
     parser.add_argument("--zero1", action="store_true",
                         help="the state under the distributed optimizer (the recipes' "
                              "distributed_optimizer: true): each rank holds its own rows "
