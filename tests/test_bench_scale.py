@@ -1,11 +1,13 @@
 """``tools/bench_scale.py``'s simulated shards are mcore's: ``layout_shard_infos``
 against the real ``sharded_state_dict()`` state of the tiny model, saved by every rank
 of a heterogeneous layout with permuted ranks and idle ones (a case of the shared
-torchrun world, ``tests/train_world.py``); and the tool itself on a small world."""
+torchrun world, ``tests/train_world.py``), and its ZeRO-1 state (``--zero1``) against
+the same layout's ``DistributedOptimizer``; and the tool itself on a small world."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ import yaml
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.parallel.layout import load_layout
 from elastor_mcore.parallel.shards import layout_shard_infos
+from tests.conftest import write_tiny_recipe
 from tests.train_world import TIMEOUT, TrainWorldPart
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,7 +35,9 @@ LAYOUT = {"pipelines": [  # two pipelines split differently; ranks 2 and 5 idle
 def train_world_part(out: Path) -> TrainWorldPart:
     path = out / "permuted.yaml"
     path.write_text(yaml.safe_dump(LAYOUT))
-    return TrainWorldPart([f"shards={path}:0,save={out / 'saved'}"])
+    zero1 = write_tiny_recipe(out / "zero1.yaml", distributed_optimizer=True)
+    return TrainWorldPart([f"shards={path}:0,save={out / 'saved'}",
+                           f"shards-zero1={path}:0,recipe={zero1},save={out / 'saved-zero1'}"])
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +45,42 @@ def world(train_world) -> Path:
     return train_world[__name__]
 
 
+def saved_shards(path: Path) -> list[tuple]:
+    """A rank's saved state (``train_matrix``'s ``DIR.state/rank<r>.pt``) as sorted
+    (key, global shape, offset, shape, dtype)."""
+    return sorted((key, tuple(shape), tuple(offset), tuple(data.shape),
+                   str(data.dtype).removeprefix("torch."))
+                  for key, shape, offset, data in torch.load(path))
+
+
+def described(infos) -> list[tuple]:
+    return sorted((i.key, i.global_shape, i.box.offset, i.box.shape, i.dtype) for i in infos)
+
+
 @pytest.mark.timeout(TIMEOUT)
 def test_simulated_shards_are_the_models(world):
     layout = load_layout(world / "permuted.yaml", RECIPE)
     for rank in layout.ranks:
-        saved = torch.load(world / "saved.state" / f"rank{rank}.pt")
-        real = sorted((key, tuple(shape), tuple(offset), tuple(data.shape),
-                       str(data.dtype).removeprefix("torch."))
-                      for key, shape, offset, data in saved)
-        simulated = sorted((i.key, i.global_shape, i.box.offset, i.box.shape, i.dtype)
-                           for i in layout_shard_infos(RECIPE.model, layout, rank))
-        assert simulated == real, rank
+        simulated = described(layout_shard_infos(RECIPE.model, layout, rank))
+        assert simulated == saved_shards(world / "saved.state" / f"rank{rank}.pt"), rank
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_simulated_zero1_shards_are_the_distributed_optimizers(world):
+    """Under ZeRO-1 each simulated rank holds the rows its ``DistributedOptimizer``
+    checkpoints (``runtime.state.state_shards``): the same boxes, each element of the
+    job once."""
+    layout = load_layout(world / "permuted.yaml", RECIPE)
+    from tools import bench_scale
+
+    state = bench_scale.state_of(RECIPE, layout, zero1=True)
+    for rank in layout.ranks:
+        real = saved_shards(world / "saved-zero1.state" / f"rank{rank}.pt")
+        assert described(state(rank)) == real, rank
+    held = sum(math.prod(i.box.shape) for rank in layout.ranks for i in state(rank))
+    shapes = {i.key: i.global_shape for rank in layout.ranks
+              for i in layout_shard_infos(RECIPE.model, layout, rank)}
+    assert held == sum(math.prod(shape) for shape in shapes.values())
 
 
 @pytest.mark.timeout(300)

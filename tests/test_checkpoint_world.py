@@ -133,6 +133,20 @@ def test_a_class_on_other_hosts_reads_its_bytes_once(world):
 
 
 @pytest.mark.timeout(300)
+def test_a_disjoint_load_reads_its_own_bytes_through_no_owner(world):
+    """``Replicas(disjoint=True)``, as the trainer passes under ZeRO-1: each rank's
+    targets equal the checkpoint bit for bit, it reads from storage what a
+    single-process read of its targets reads, and no ``all_to_all`` runs (no owner
+    plans the reads); targets that overlap after all still load right."""
+    for report in world["ranks"]:
+        load = report["classes"]["disjoint"]
+        assert load["held"] > 0, report["rank"]
+        assert load["mismatches"] == [] and load["overlapping_mismatches"] == [], load
+        assert load["all_to_all"] == 0, load
+        assert load["bytes_read"] == load["bytes_alone"] > 0, load
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["false class", "classes differ between ranks"])
 def test_a_wrong_replica_class_fails_on_every_rank(world, case):
     """Members that hold different boxes, or ranks that pass different classes: the

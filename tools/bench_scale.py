@@ -3,7 +3,7 @@
 
     PYTHONPATH=. python tools/bench_scale.py [--models llama3-8b,llama3-70b,llama3-405b]
         [--worlds 64,512,4096,16384] [--lost 1,8,64] [--samples 3]
-        [--only uniform,save,load,grad] [--no-replicas] [--out FILE]
+        [--only uniform,save,load,grad] [--no-replicas] [--zero1] [--out FILE]
     PYTHONPATH=. python tools/bench_scale.py --table FILE...   # markdown tables
     PYTHONPATH=. python tools/bench_scale.py --table BEFORE AFTER --curve MODEL LOST
         [--kinds save,load,grad]
@@ -12,7 +12,9 @@
 Each rank's state is what ``parallel.shards.layout_shard_infos`` derives from the
 layout and the recipe's shapes (the fp32 main weights and AdamW's two moments of the
 rank's ShardedTensors; ``tests/test_bench_scale.py`` checks it against real mcore
-``sharded_state_dict()`` metadata). Per model and world: the uniform layout Megatron
+``sharded_state_dict()`` metadata); with ``--zero1`` the distributed optimizer's
+state instead, each rank's own rows of them (``state_of``, checked against a real
+``DistributedOptimizer``'s). Per model and world: the uniform layout Megatron
 would use (``UNIFORM``), and the planner's layout after losing 1, 8 and 64 GPUs
 scattered over the nodes. Per case:
 
@@ -74,12 +76,14 @@ from elastor_mcore.checkpoint.plan import (  # noqa: E402
     route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
-from elastor_mcore.geometry import common_refinement  # noqa: E402
+from elastor_mcore.geometry import ShardInfo, common_refinement  # noqa: E402
 from elastor_mcore.parallel.layout import Layout, layout_from_dict  # noqa: E402
-from elastor_mcore.parallel.holders import LocalTensor, Placement, plan_rank  # noqa: E402
+from elastor_mcore.parallel.holders import (  # noqa: E402
+    LocalTensor, Placement, plan_rank, rank_cells)
 from elastor_mcore.parallel.shards import (  # noqa: E402
-    layout_shard_infos, replica_classes, stage_tensors)
+    ADAM_STATE_PREFIXES, layout_shard_infos, replica_classes, stage_tensors)
 from elastor_mcore.planner import PlannerError, load_hardware, plan  # noqa: E402
+from elastor_mcore.runtime.distributed_optimizer import rank_buckets  # noqa: E402
 from elastor_mcore.runtime.grad_sync import reduction_plan, spans_stages  # noqa: E402
 from elastor_mcore.runtime.state import chunk_policy  # noqa: E402
 
@@ -241,13 +245,40 @@ def lost_gpus(world: int, lost: int) -> list[int]:
 # --------------------------------------------------------------------------- cases
 
 
-def pickled(recipe: Recipe, layout: Layout, wrap=lambda rank, infos: infos,
-            prefixes=None) -> dict[int, bytes]:
-    """Every rank's contribution to a gather, pickled (one rank's infos in memory at
-    a time: 16,384 ranks' worth of ShardInfo objects would not fit twice)."""
-    kwargs = {} if prefixes is None else {"prefixes": prefixes}
-    return {r: pickle.dumps(wrap(r, layout_shard_infos(recipe.model, layout, r, **kwargs)))
-            for r in layout.ranks}
+State = Callable[[int], list[ShardInfo]]
+"""A rank's checkpointed state (its ShardInfos), by rank."""
+
+
+def state_of(recipe: Recipe, layout: Layout, zero1: bool = False) -> State:
+    """Each rank's training state as ``runtime.state.state_shards`` checkpoints it:
+    the fp32 main weights and AdamW's two moments of its stage's ShardedTensors
+    (``layout_shard_infos``, replicated over data parallelism); under ZeRO-1 only the
+    rows of them its ``ShardPlan`` owns (``distributed_optimizer.rank_buckets`` of its
+    cells, ``parallel.holders``: every element of the job held by one rank), derived
+    once per replica class, whose members hold the same cells and cut the same
+    buckets."""
+    if not zero1:
+        return functools.partial(layout_shard_infos, recipe.model, layout)
+    placement, policy = Placement(layout), chunk_policy(recipe)
+    first = {r: members[0] for members in replica_classes(layout) for r in members}
+    buckets: dict[int, tuple[dict, list]] = {}
+
+    @functools.cache
+    def owned(rank: int) -> list[ShardInfo]:
+        if rank not in first:
+            return []
+        lead = first[rank]
+        if lead not in buckets:
+            tensors = model_tensors(recipe, layout, lead)
+            cells, sets = rank_cells(placement, lead, tensors, False)
+            shapes = {t.info.key: t.info.global_shape for t in tensors}
+            buckets[lead] = shapes, rank_buckets(cells, shapes, lambda h: sets[h].stages,
+                                                 lead, policy)
+        shapes, mine = buckets[lead]
+        return sorted((ShardInfo(prefix + f.cell.key, shapes[f.cell.key], f.box, "float32")
+                       for bucket in mine for f in bucket.fragments(rank)
+                       for prefix in ADAM_STATE_PREFIXES), key=lambda info: info.key)
+    return owned
 
 
 def page_cache(rank: int) -> str:
@@ -277,23 +308,23 @@ class RankClock:
     def summary(self, sampled: dict[int, float] | None = None) -> dict[str, Any]:
         """The slowest rank (and which), adding ``sampled``'s slowest where a phase ran
         on the sampled ranks only."""
-        rank = max(self.seconds, key=self.seconds.get)
+        rank = max(self.seconds, key=self.seconds.get, default=None)
         extra = max(sampled.values()) if sampled else 0.0
-        values = list(self.seconds.values())
+        values = list(self.seconds.values()) or [0.0]
         p99 = statistics.quantiles(values, n=100)[98] if len(values) > 1 else values[0]
-        return {"plan_cpu_s_max": self.seconds[rank] + extra, "slowest_rank": rank,
+        return {"plan_cpu_s_max": self.seconds.get(rank, 0.0) + extra, "slowest_rank": rank,
                 "plan_cpu_s_median": statistics.median(values) + extra,
                 "plan_cpu_s_p99": p99 + extra, "sampled_phase_s_max": extra}
 
 
-def exchange_to_owners(recipe: Recipe, layout: Layout, clock: RankClock,
+def exchange_to_owners(layout: Layout, state: State, clock: RankClock,
                        message: Callable[[int, list], dict[int, Any]]
                        ) -> dict[int, dict[int, bytes]]:
     """Every rank's local plan (``message``: its shard descriptions, by destination),
     pickled as ``Comm.exchange`` sends it: ``outbox[dest][sender]``."""
     outbox: dict[int, dict[int, bytes]] = {}
     for rank in layout.ranks:
-        infos = layout_shard_infos(recipe.model, layout, rank)
+        infos = state(rank)
         routed = clock.run(rank, lambda: comm.pickled(message(rank, infos)))
         for dest, blob in routed.items():
             outbox.setdefault(dest, {})[rank] = blob
@@ -304,7 +335,7 @@ def receive(clock: RankClock, rank: int, inbox: dict[int, bytes]) -> dict[int, A
     return clock.run(rank, lambda: {s: pickle.loads(b) for s, b in sorted(inbox.items())})
 
 
-def save_case(recipe: Recipe, layout: Layout, samples: int,
+def save_case(recipe: Recipe, layout: Layout, state: State,
               replicas: Replicas = NO_REPLICAS) -> dict[str, Any]:
     """``writer._write_checkpoint``'s planning, step by step as the real code runs it
     (``writer.plan_save``, then the finish), every rank simulated. The writer balance
@@ -312,7 +343,7 @@ def save_case(recipe: Recipe, layout: Layout, samples: int,
     ranks = list(layout.ranks)
     policy = chunk_policy(recipe)
     sim, clock = SimComm(ranks), RankClock()
-    outbox = exchange_to_owners(recipe, layout, clock, lambda r, infos: {
+    outbox = exchange_to_owners(layout, state, clock, lambda r, infos: {
         owner: (held_bytes(infos), mine)
         for owner, mine in route(infos, ranks, replicas.sends(r), replicas.columns).items()})
     sim.exchange("plan", outbox)
@@ -333,7 +364,7 @@ def save_case(recipe: Recipe, layout: Layout, samples: int,
     wrote = 0
     for rank in ranks:
         parts = receive(clock, rank, replies.pop(rank, {}))
-        infos = layout_shard_infos(recipe.model, layout, rank)
+        infos = state(rank)
         plan = clock.run(rank, lambda: merge(rank, parts.values(), owned.get(rank, ()),
                                              replicas, infos))
         assert plan.mismatch is None, (rank, plan.mismatch)
@@ -354,7 +385,7 @@ def save_case(recipe: Recipe, layout: Layout, samples: int,
             "bytes": sum(e.nbytes for e in whole.entries.values())}
 
 
-def load_case(recipe: Recipe, layout: Layout, samples: int, entries: dict[str, Any],
+def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any],
               replicas: Replicas = NO_REPLICAS) -> dict[str, Any]:
     """``reader._load``'s planning, then the agreement after the reads, every rank
     simulated; the pieces (``reader.class_pieces`` of a class member, from the saved
@@ -362,17 +393,22 @@ def load_case(recipe: Recipe, layout: Layout, samples: int, entries: dict[str, A
     tensors here) on ``samples`` ranks. With replica classes: ``Comm.announce``, each
     member's ``reader.class_peers`` (point to point within its class, counted in the
     bytes but not as a job-wide call) and, for the ranks in no class, the owners'
-    plan (``reader.plan_load`` without relays); without: ``reader.plan_load``."""
+    plan (``reader.plan_load`` without relays); with disjoint state (ZeRO-1) the
+    announcement alone, each rank reading its own targets; without:
+    ``reader.plan_load``."""
     ranks = list(layout.ranks)
     coordinator = ranks[0]
     sim, clock = SimComm(ranks), RankClock()
     step_dir = "/checkpoints/step_00000000"
-    infos_of = functools.partial(layout_shard_infos, recipe.model, layout)
-    classes = bool(replicas.sharing)
-    asks = {r for r in ranks if len(replicas.of(r)[0]) < 2}
+    infos_of = state
+    classes = bool(replicas.sharing) or replicas.disjoint
+    asks = set() if replicas.disjoint else {r for r in ranks if len(replicas.of(r)[0]) < 2}
     peers: dict[int, reader.ClassPeers] = {}
     if classes:
         sim.all_reduce("plan", comm.ANNOUNCE_BYTES + 32)
+    if replicas.disjoint:
+        peers = {r: reader.ClassPeers((r,), {r: 0}) for r in ranks}
+    elif classes:
         names = {}
         for rank in (r for r in ranks if r not in asks):
             infos = infos_of(rank)
@@ -394,7 +430,7 @@ def load_case(recipe: Recipe, layout: Layout, samples: int, entries: dict[str, A
 
     replies: dict[int, dict[int, bytes]] = {}
     if asks:
-        outbox = exchange_to_owners(recipe, layout, clock, requests)
+        outbox = exchange_to_owners(layout, state, clock, requests)
         sim.exchange("plan", outbox)
         for owner, inbox in outbox.items():
             received = receive(clock, owner, inbox)
@@ -423,19 +459,22 @@ def load_case(recipe: Recipe, layout: Layout, samples: int, entries: dict[str, A
     return {"ranks": len(ranks), **clock.summary(built), **sim.summary(),
             "columns": replicas.columns, "classes": classes,
             "read_bytes_max_sampled": max(read_bytes),
-            **storage_copies(recipe, layout, replicas, asks)}
+            **storage_copies(state, replicas, asks, ranks)}
 
 
-def storage_copies(recipe: Recipe, layout: Layout, replicas: Replicas,
-                   alone: set[int]) -> dict[str, float]:
+def storage_copies(state: State, replicas: Replicas, alone: set[int],
+                   ranks: list[int]) -> dict[str, float]:
     """How many times storage serves each byte of a load (docs/checkpoint-format.md,
     "Replicas"): once per replica class holding it, and once for the ranks in no class
-    (``alone``) that hold it; the most for any byte and the bytes served over the
-    bytes loaded. Without classes the owners' plan reads each byte once."""
-    firsts = [members[0] for members in replicas.classes if len(members) > 1]
+    (``alone``) that hold it; with disjoint state once per rank holding it (each reads
+    its own: once, if the state is disjoint indeed); the most for any byte and the
+    bytes served over the bytes loaded. Without classes the owners' plan reads each
+    byte once."""
+    firsts = list(ranks) if replicas.disjoint else [
+        members[0] for members in replicas.classes if len(members) > 1]
     if not firsts:
         return {"storage_copies_max": 1, "storage_served_over_loaded": 1.0}
-    holders = {r: layout_shard_infos(recipe.model, layout, r) for r in [*firsts, *alone]}
+    holders = {r: state(r) for r in [*firsts, *alone]}
     dtypes = {i.key: i.dtype for infos in holders.values() for i in infos}
     served = unique = most = 0
     for cell in common_refinement(holders):
@@ -445,12 +484,14 @@ def storage_copies(recipe: Recipe, layout: Layout, replicas: Replicas,
     return {"storage_copies_max": most, "storage_served_over_loaded": served / unique}
 
 
-def saved_entries(recipe: Recipe, layout: Layout) -> dict[str, Any]:
+def saved_entries(recipe: Recipe, layout: Layout, state: State, zero1: bool
+                  ) -> dict[str, Any]:
     """The entries (chunk and file grids) of the checkpoint a uniform ``layout`` saves:
-    from its first pipeline, whose shards every other pipeline repeats."""
-    first = [r for stage in layout.pipelines[0].stages for r in stage.ranks]
-    return plan_tensors({r: layout_shard_infos(recipe.model, layout, r) for r in first},
-                        chunk_policy(recipe))[0]
+    from its first pipeline, whose shards every other pipeline repeats; under ZeRO-1
+    from every rank (each holds its own rows)."""
+    savers = layout.ranks if zero1 else [
+        r for stage in layout.pipelines[0].stages for r in stage.ranks]
+    return plan_tensors({r: state(r) for r in savers}, chunk_policy(recipe))[0]
 
 
 def grad_case(recipe: Recipe, layout: Layout, samples: int) -> dict[str, Any]:
@@ -512,18 +553,23 @@ def planner_case(recipe: Recipe, world: int, lost: list[int]) -> tuple[dict, Lay
 # --------------------------------------------------------------------------- driver
 
 
-def replicas_of(layout: Layout, replicated: bool) -> Replicas:
+def replicas_of(layout: Layout, replicated: bool, zero1: bool = False) -> Replicas:
     """The layout's replica classes (``parallel.shards.replica_classes``), as every
-    rank builds them once per layout (not per save or load), indexed; or none."""
+    rank builds them once per layout (not per save or load), indexed; or none; under
+    ZeRO-1 none and ``disjoint``, as the trainer passes them
+    (``runtime.state.state_replicas``), or with ``--no-replicas`` none at all (each
+    tensor's owner plans its reads, as the trainer's ZeRO-1 loads did before)."""
     if not replicated:
         return NO_REPLICAS
+    if zero1:
+        return Replicas(disjoint=True)
     replicas = Replicas(replica_classes(layout))
     replicas.of(layout.ranks[0])
     return replicas
 
 
 def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
-        only: set[str], replicated: bool = True) -> list[dict]:
+        only: set[str], replicated: bool = True, zero1: bool = False) -> list[dict]:
     rows = []
     for name in models:
         base = load_recipe(REPO / "recipes" / f"{name}.yaml")
@@ -535,12 +581,12 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                 rows.append({"model": name, "world": world, "skipped": "no uniform layout"})
                 continue
             recipe, layout = built
-            row: dict[str, Any] = {"model": name, "world": world,
+            row: dict[str, Any] = {"model": name, "world": world, "zero1": zero1,
                                    "uniform": layout.describe()[:80]}
             entries: dict[str, Any] = {}
             if {"uniform", "save"} <= only:
-                row["save_uniform"] = save_case(recipe, layout, samples,
-                                                replicas_of(layout, replicated))
+                row["save_uniform"] = save_case(recipe, layout, state_of(recipe, layout, zero1),
+                                                replicas_of(layout, replicated, zero1))
                 report(name, world, "save uniform", row["save_uniform"])
             if {"uniform", "grad"} <= only:
                 row["grad_uniform"] = grad_case(recipe, layout, samples)
@@ -552,14 +598,16 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                 print(f"{name} @ {world} - {k}: planner {planned.get('cpu_s', -1):.3f} s "
                       f"{planned.get('layout', planned.get('error'))}", flush=True)
                 if hetero is not None:
-                    replicas_s, replicas = cpu(lambda: replicas_of(hetero, replicated))
+                    replicas_s, replicas = cpu(lambda: replicas_of(hetero, replicated, zero1))
                     case["replicas_s"] = replicas_s
+                    state = state_of(recipe, hetero, zero1)
                     if "save" in only:
-                        case["save"] = save_case(recipe, hetero, samples, replicas)
+                        case["save"] = save_case(recipe, hetero, state, replicas)
                         report(name, world, f"save lost {k}", case["save"])
                     if "load" in only:
-                        entries = entries or saved_entries(recipe, layout)
-                        case["load"] = load_case(recipe, hetero, samples, entries, replicas)
+                        entries = entries or saved_entries(
+                            recipe, layout, state_of(recipe, layout, zero1), zero1)
+                        case["load"] = load_case(hetero, state, samples, entries, replicas)
                         report(name, world, f"load lost {k}", case["load"])
                     if "grad" in only:
                         case["grad"] = grad_case(recipe, hetero, samples)
@@ -687,7 +735,12 @@ def main() -> int:
     parser.add_argument("--out", default="bench_scale.json")
     parser.add_argument("--no-replicas", action="store_true",
                         help="plan as without the layout's replica classes (one owner per "
-                             "tensor hearing from every holder)")
+                             "tensor hearing from every holder; with --zero1, the loads "
+                             "without disjoint)")
+    parser.add_argument("--zero1", action="store_true",
+                        help="the state under the distributed optimizer (the recipes' "
+                             "distributed_optimizer: true): each rank holds its own rows "
+                             "of the main weights and moments, none replicated")
     parser.add_argument("--table", nargs="+", metavar="JSON",
                         help="print the tables of earlier runs' JSON files and exit")
     parser.add_argument("--planner-table", nargs="+", metavar="JSON",
@@ -712,7 +765,7 @@ def main() -> int:
     gc.disable()
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],
                [int(k) for k in args.lost.split(",")], args.samples,
-               set(args.only.split(",")), not args.no_replicas)
+               set(args.only.split(",")), not args.no_replicas, args.zero1)
     Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
     print(f"written {args.out}")
     return 0

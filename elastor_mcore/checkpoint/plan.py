@@ -160,11 +160,21 @@ class Replicas:
     ``i`` of the first ones sends its shards to the owners of the columns ``j`` with
     ``j % min(n, columns) == i``, and every member hears from the column after its own
     (``column``), whose shards another member sent: a member whose shards differ
-    from its class's finds that the cells it is told do not tile its shards."""
+    from its class's finds that the cells it is told do not tile its shards.
+
+    ``disjoint``: no two ranks hold the same bytes (ZeRO-1's state, each element's
+    optimizer state on one rank): a load's ranks each read their own targets from
+    storage, with no owner planning their reads (a load stays right if some bytes are
+    shared after all: storage then serves them once per rank that holds them)."""
 
     classes: tuple[tuple[int, ...], ...] = ()
+    disjoint: bool = False
 
     def __post_init__(self) -> None:
+        if self.disjoint and self.classes:
+            raise CheckpointError(
+                "replicas: disjoint state has no replica classes; pass either the "
+                "classes (replicated state) or disjoint=True (ZeRO-1), not both")
         seen: set[int] = set()
         for members in self.classes:
             if not members or list(members) != sorted(set(members)) or seen & set(members):
@@ -185,9 +195,10 @@ class Replicas:
 
     @functools.cached_property
     def fingerprint(self) -> int:
-        """A 20-bit name of the classes, the same in every process: a load checks that
-        every rank passed the same ones (``comm.Comm.announce``)."""
-        digest = hashlib.blake2b(repr(self.classes).encode(), digest_size=4).digest()
+        """A 20-bit name of the classes (or of ``disjoint``), the same in every process:
+        a load checks that every rank passed the same ones (``comm.Comm.announce``)."""
+        text = "disjoint" if self.disjoint else repr(self.classes)
+        digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
         return int.from_bytes(digest, "little") >> 12
 
     @functools.cached_property

@@ -86,7 +86,8 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
     ``replicas`` (which ranks hold the same targets, ``plan.Replicas``, the same on
     every rank), the members of each class share their class's reads among
     themselves (``class_pieces``), and only the ranks in no class plan through the
-    tensors' owners.
+    tensors' owners; with ``Replicas(disjoint=True)`` (no bytes held twice: ZeRO-1)
+    each rank reads its own targets, and nothing is planned through owners.
     """
     with gc_paused():
         return _load(path_or_root, targets, group, replicas)
@@ -97,7 +98,8 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
     """Two job-wide steps: **plan** (the step directory, and every rank's targets to the
     owners of their tensors, who send each holder its reads, ``plan_load``; with
     replica classes one ``Comm.announce``, each class's members checking each other's
-    targets, ``class_peers``, and the owners' plan only for ranks in no class), then
+    targets, ``class_peers``, and the owners' plan only for ranks in no class; with
+    disjoint targets the announcement alone, each rank a class of its own), then
     the reads, then **agree** on every rank's errors; then the shared reads'
     messages."""
     ranks = comm.Comm(group)
@@ -116,12 +118,15 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
              else f"rank {ranks.rank}")
     infos = [t.info() for t in targets]
     shares, peers, pieces = _carries_cpu(group), None, []
-    if shares and replicas.sharing:
+    if shares and (replicas.sharing or replicas.disjoint):
         step_dir = ranks.announce(step_dir, error, what, replicas.fingerprint)
         members = replicas.of(ranks.rank)[0]
-        if len(members) > 1:
+        if replicas.disjoint:  # reads its own targets, shares them with no one
+            peers = ClassPeers(members, {ranks.rank: 0})
+        elif len(members) > 1:
             peers = class_peers(ranks, members, infos, cache)
-        if replicas.sharing < len(ranks.ranks):  # some ranks are in no class
+        if not replicas.disjoint and replicas.sharing < len(ranks.ranks):
+            # some ranks are in no class
             _, pieces = plan_load(ranks, infos, cache, step_dir, what, asks=peers is None,
                                   relays=False)
     else:
@@ -318,11 +323,13 @@ def class_pieces(rank: int, infos: Sequence[ShardInfo], entries: dict[str, Tenso
     that reads the fewest bytes so far), who sends it to the members on other page
     caches; members sharing the reader's page cache read it themselves. Storage serves
     each byte once per class that holds it (per class and page cache: never more than
-    the class's members)."""
+    the class's members). A class of one reads its cells whole: there is no one to
+    share them with."""
     members, caches = peers.members, peers.caches
     units = [(cell.key, box, box.numel * DTYPE_ITEMSIZE[entries[cell.key].dtype])
              for cell in common_refinement({rank: infos})
-             for box in grid_cut(cell.box, entries[cell.key].shard)]
+             for box in (grid_cut(cell.box, entries[cell.key].shard) if len(members) > 1
+                         else [cell.box])]
     units.sort(key=lambda u: (-u[2], u[0], u[1].offset))
     loads = [(0, index) for index in range(len(members))]
     pieces = []

@@ -167,6 +167,16 @@ def chunk_rows(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
             for key, held in boxes.items()}
 
 
+def rank_buckets(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
+                 stages: Callable[[tuple[int, ...]], int], rank: int,
+                 chunking: ChunkPolicy) -> list[ShardBucket]:
+    """The buckets of the replica sets ``rank`` holds cells of, from the cells of its
+    keys alone (no collective): what ``ShardPlan.build`` gives it, and what
+    ``tools/bench_scale.py`` derives for a simulated rank's ZeRO-1 state."""
+    return shard_buckets([c for c in cells if rank in c.holders], stages,
+                         chunk_rows(cells, shapes, chunking))
+
+
 def planned_state_bytes(buckets: Sequence[ShardBucket], rank: int) -> tuple[int, float]:
     """(bytes of ``rank``'s owned optimizer state, the formula's
     ``12 * numel / holders`` summed over its pieces)."""
@@ -194,11 +204,9 @@ class ShardPlan:
         ``chunking`` is the checkpoint's (``runtime.state.chunk_policy``)."""
         refinement = Refinement.build(layout, model, cache, lambda held: len(held.ranks) > 1,
                                       world_group)
-        align = chunk_rows(refinement.cells, refinement.shapes, chunking)
-        rank = dist.get_rank()
-        buckets = shard_buckets([c for c in refinement.cells if rank in c.holders],
-                                lambda holders: refinement.sets[holders].stages, align)
-        return cls(refinement, buckets)
+        return cls(refinement, rank_buckets(refinement.cells, refinement.shapes,
+                                            lambda holders: refinement.sets[holders].stages,
+                                            dist.get_rank(), chunking))
 
 
 def _issue_order(buckets: list[ShardBucket], order: BucketOrder | None) -> list[ShardBucket]:

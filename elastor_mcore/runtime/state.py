@@ -74,10 +74,11 @@ def state_replicas(layout: Layout,
                    optimizer: StageOptimizer | DistributedOptimizer) -> checkpoint.Replicas:
     """Which ranks hold the same training state (``state_shards``): each stage's
     data-parallel replicas, so a save plans from one of them and a load's members
-    share their class's reads (``checkpoint.Replicas``); none under ZeRO-1, whose
-    replicas hold different parts of the optimizer state."""
+    share their class's reads (``checkpoint.Replicas``); under ZeRO-1 none, each
+    element's state on one rank (``disjoint``: a load's ranks read their own, with no
+    owner planning their reads)."""
     if isinstance(optimizer, DistributedOptimizer):
-        return checkpoint.Replicas()
+        return checkpoint.Replicas(disjoint=True)
     return checkpoint.Replicas(replica_classes(layout))
 
 

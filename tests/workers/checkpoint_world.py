@@ -172,6 +172,7 @@ def class_loads(root: str, rank: int) -> dict:
         out["seeds"][seed] = dict(hosts=hosts, classes=[list(c) for c in replicas.classes],
                                   mismatches=bad, bytes_read=read, bytes_alone=alone)
     reader.page_cache_id = lambda: f"host {rank}"
+    out["disjoint"] = disjoint_loads(root, rank)
     for name, targets, replicas in (
             ("false class", load_boxes(rank, "halves"), Replicas(((0, 1), (2, 3)))),
             ("classes differ between ranks", load_boxes(rank, "halves"),
@@ -183,6 +184,51 @@ def class_loads(root: str, rank: int) -> dict:
             out[name] = str(exc)
     reader.page_cache_id = real_page_cache
     return out
+
+
+def disjoint_boxes(rank: int) -> list:
+    """Targets no two ranks share (ZeRO-1's state): uneven rows or columns of each
+    split tensor, the replicated one on rank 0 only."""
+    targets = []
+    for key, (shape, _, dim) in TENSORS.items():
+        if dim is None:
+            if rank == 0:
+                targets.append(piece(key, None, 0, 0, fill=-7.0))
+            continue
+        n = shape[dim]
+        cuts = [0, n // 4 + 3, n // 2 + 7, 3 * n // 4 + 1, n]
+        targets.append(piece(key, dim, cuts[rank], cuts[rank + 1], fill=-7.0))
+    return targets
+
+
+def disjoint_loads(root: str, rank: int) -> dict:
+    """Loads with ``Replicas(disjoint=True)`` (as the trainer passes under ZeRO-1),
+    counting the ``all_to_all_single`` calls (the owners' plan) they make: of
+    disjoint targets, and of targets that overlap after all (each rank then reads its
+    own: the bytes must still be right)."""
+    from elastor_mcore import checkpoint as ck
+    from elastor_mcore.checkpoint import Replicas
+
+    calls = []
+    real = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    dist.all_to_all_single = counted
+    try:
+        targets = disjoint_boxes(rank)
+        before = ck.storage_bytes_read()
+        ck.load(f"{root}/world", targets, replicas=Replicas(disjoint=True))
+        read = ck.storage_bytes_read() - before
+        overlapping = load_boxes(rank, "halves")
+        ck.load(f"{root}/world", overlapping, replicas=Replicas(disjoint=True))
+    finally:
+        dist.all_to_all_single = real
+    _, alone = single_process_read(f"{root}/world", targets)
+    return dict(mismatches=mismatches(targets), overlapping_mismatches=mismatches(overlapping),
+                all_to_all=len(calls), bytes_read=read, bytes_alone=alone,
+                held=sum(t.data.numel() for t in targets))
 
 
 def main() -> None:
