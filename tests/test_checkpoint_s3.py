@@ -118,7 +118,7 @@ def elastor(*args: str, env: dict[str, str] | None = None, timeout: float = 600)
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", ["missing bucket", "wrong credentials"])
 def test_bad_storage_is_refused_before_training(s3, case, tmp_path):
-    url = f"s3://no-such-bucket/run" if case == "missing bucket" else f"s3://{BUCKET}/run"
+    url = "s3://no-such-bucket/run" if case == "missing bucket" else f"s3://{BUCKET}/run"
     env = {"AWS_SECRET_ACCESS_KEY": "wrong"} if case == "wrong credentials" else {}
     want = ("the bucket does not exist" if case == "missing bucket"
             else "the credentials were refused")

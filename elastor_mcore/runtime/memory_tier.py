@@ -31,13 +31,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from elastor_mcore.checkpoint import LocalShard
-from elastor_mcore.geometry import Box, ShardInfo, common_refinement, local_view
+from elastor_mcore.geometry import ShardInfo
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Callable
 
 import torch
