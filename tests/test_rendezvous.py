@@ -20,15 +20,18 @@ TIMEOUT_S = 1.0
 def test_only_a_node_that_stopped_counting_is_dead():
     store = TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True,
                      timeout=timedelta(seconds=10))
-    start_liveness(store.clone(), liveness_key("job", "alive"), TIMEOUT_S / 4)
+    stop = start_liveness(store.clone(), liveness_key("job", "alive"), TIMEOUT_S / 4)
     store.add(liveness_key("job", "gone"), 1)  # counted once: its agent died
     backend = LivenessBackend(inner=None, store=store, run_id="job", timeout=TIMEOUT_S)
     verdicts, unknown = [], []
     end = time.monotonic() + 2.5 * TIMEOUT_S
-    while time.monotonic() < end:
-        verdicts.append(backend.dead(["alive", "gone"]))
-        unknown.append(backend.dead(["gone", "never-counted"]))  # not this backend's node
-        time.sleep(0.1)
+    try:
+        while time.monotonic() < end:
+            verdicts.append(backend.dead(["alive", "gone"]))
+            unknown.append(backend.dead(["gone", "never-counted"]))  # not this backend's
+            time.sleep(0.1)
+    finally:
+        stop.set()
     assert all("alive" not in v for v in verdicts), verdicts
     assert verdicts[0] == [] and verdicts[-1] == ["gone"], verdicts
     assert not any(unknown), unknown

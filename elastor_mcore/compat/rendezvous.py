@@ -20,8 +20,8 @@ this node has seen unchanged for ``liveness_timeout`` seconds of its own clock (
 clock comparison between nodes) is dead; its last keep-alive is set back to the epoch
 and written, and torch's own sanitizer, on every node that reads the state, then drops
 it exactly as after an expiry. A node that is only slow still has its agent writing,
-so it is never evicted. ``--rdzv-conf liveness_timeout=0`` gives torch's c10d handler
-unchanged. Every other ``--rdzv-conf`` key is torch's, read by torch.
+so it is never evicted. ``--rdzv-conf liveness_timeout=0`` turns this off: the
+rendezvous is then torch's c10d one. Every other ``--rdzv-conf`` key is torch's, read by torch.
 
 Torch-version-sensitive (the same in torch 2.13 and 2.14): the fields of the pickled
 rendezvous state (``complete``, ``round``, ``participants``, ``last_heartbeats``) and
@@ -61,20 +61,22 @@ def liveness_key(run_id: str, node: object) -> str:
     return f"elastor.rendezvous.{run_id}.alive.{node!r}"
 
 
-def start_liveness(store: Store, key: str, interval: float) -> None:
+def start_liveness(store: Store, key: str, interval: float) -> threading.Event:
     """Count ``key`` up now (before the node can join a round) and then every
-    ``interval`` seconds from a daemon thread, for as long as this process lives."""
+    ``interval`` seconds from a daemon thread, until the returned event is set (an
+    agent never sets it: its liveness ends with its process)."""
     store.add(key, 1)
+    stop = threading.Event()
 
     def beat() -> None:
-        while True:
-            time.sleep(interval)
+        while not stop.wait(interval):
             try:
                 store.add(key, 1)
             except (RuntimeError, TimeoutError) as exc:  # the store is back or gone soon
                 log.debug("liveness write failed: %s", exc)
 
     threading.Thread(target=beat, name="elastor-liveness", daemon=True).start()
+    return stop
 
 
 class LivenessBackend(RendezvousBackend):
@@ -105,6 +107,8 @@ class LivenessBackend(RendezvousBackend):
         """The state (and its token) after backdating the keep-alives of the dead
         participants, if this node waits and any are dead; as read otherwise (also when
         another node wrote first: the next read tries again)."""
+        if not self.timeout:
+            return bits, token
         state = pickle.loads(bits)
         if state.complete and self.node in state.participants:
             return bits, token  # this node's round is running: nothing to wait for
@@ -153,17 +157,17 @@ def liveness_timeout(params: RendezvousParameters) -> float:
 
 
 def create_liveness_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """Torch's c10d handler (its store, backend and ``--rdzv-conf``), over a
-    ``LivenessBackend`` unless ``liveness_timeout`` is 0."""
+    """Torch's c10d handler (its store, backend and ``--rdzv-conf``) over a
+    ``LivenessBackend``; with ``liveness_timeout`` 0 that evicts nobody and no liveness
+    is written (torch's registry wants the handler to name the backend asked for)."""
     timeout = liveness_timeout(params)
     inner, store = create_backend(params)
-    if not timeout:
-        return create_handler(store, inner, params)
     own = store.clone()  # the liveness thread's connection
     backend = LivenessBackend(inner, own, params.run_id, timeout)
     handler = create_handler(store, backend, params)
     backend.node = handler._this_node
-    start_liveness(own, liveness_key(params.run_id, backend.node), timeout / 4)
+    if timeout:
+        start_liveness(own, liveness_key(params.run_id, backend.node), timeout / 4)
     return handler
 
 
