@@ -129,19 +129,21 @@ class LivenessBackend(RendezvousBackend):
 
     def dead(self, nodes: list[object]) -> list[object]:
         """Those of ``nodes`` whose liveness this node has seen unchanged for the
-        timeout. None if any has no liveness key (a node not run with this backend:
-        torch's keep-alive alone decides then)."""
+        timeout. None if any has no liveness key (a node not run with this backend) or
+        the store fails to answer: torch's keep-alive alone decides then."""
         keys = [liveness_key(self.run_id, node) for node in nodes]
-        if not keys or not self.store.check(keys):
+        try:
+            if not keys or not self.store.check(keys):
+                return []
+            values = self.store.multi_get(keys)
+        except (RuntimeError, TimeoutError) as exc:
+            log.debug("liveness read failed: %s", exc)
             return []
         now = time.monotonic()
-        dead = []
-        for node, key, value in zip(nodes, keys, self.store.multi_get(keys)):
+        for key, value in zip(keys, values):
             if self.seen.get(key, (None,))[0] != value:
                 self.seen[key] = (value, now)
-            if now - self.seen[key][1] >= self.timeout:
-                dead.append(node)
-        return dead
+        return [node for node, key in zip(nodes, keys) if now - self.seen[key][1] >= self.timeout]
 
 
 def liveness_timeout(params: RendezvousParameters) -> float:
