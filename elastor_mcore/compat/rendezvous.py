@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 BACKEND = "elastor-c10d"
 LIVENESS_TIMEOUT_S = 1.5
-"""Default ``liveness_timeout``: three writes of a live agent (every 0.375 s) missed."""
+"""Default ``liveness_timeout``: four of a live agent's writes (every 0.375 s) missed."""
 EVICTED = "elastor-c10d: evicted node"
 """How each eviction's log line starts (``elastic.node`` records it)."""
 EPOCH = datetime.fromtimestamp(0, timezone.utc)
@@ -147,6 +147,7 @@ class LivenessBackend(RendezvousBackend):
 
 
 def liveness_timeout(params: RendezvousParameters) -> float:
+    """``--rdzv-conf liveness_timeout`` in seconds (0: no eviction)."""
     raw = params.get("liveness_timeout", LIVENESS_TIMEOUT_S)
     try:
         timeout = float(raw)
