@@ -31,7 +31,7 @@ def test_only_a_node_that_stopped_counting_is_dead():
             unknown.append(backend.dead(["gone", "never-counted"]))  # not this backend's
             time.sleep(0.1)
     finally:
-        stop.set()
+        stop()
     assert all("alive" not in v for v in verdicts), verdicts
     assert verdicts[0] == [] and verdicts[-1] == ["gone"], verdicts
     assert not any(unknown), unknown

@@ -30,13 +30,14 @@ the handler's ``_this_node``.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import pickle
 import sys
 import threading
 import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from torch.distributed import Store
 from torch.distributed import run as torchrun
@@ -61,21 +62,29 @@ def liveness_key(run_id: str, node: object) -> str:
     return f"elastor.rendezvous.{run_id}.alive.{node!r}"
 
 
-def start_liveness(store: Store, key: str, interval: float) -> threading.Event:
+def start_liveness(store: Store, key: str, interval: float) -> Callable[[], None]:
     """Count ``key`` up now (before the node can join a round) and then every
-    ``interval`` seconds from a daemon thread, until the returned event is set (an
-    agent never sets it: its liveness ends with its process)."""
+    ``interval`` seconds from a thread, until the returned function is called; it is
+    called at exit too: a write that fails while the interpreter finalizes (the
+    store's server, in the host's agent, torn down) aborts the process."""
     store.add(key, 1)
-    stop = threading.Event()
+    stopped = threading.Event()
 
     def beat() -> None:
-        while not stop.wait(interval):
+        while not stopped.wait(interval):
             try:
                 store.add(key, 1)
             except (RuntimeError, TimeoutError) as exc:  # the store is back or gone soon
                 log.debug("liveness write failed: %s", exc)
 
-    threading.Thread(target=beat, name="elastor-liveness", daemon=True).start()
+    thread = threading.Thread(target=beat, name="elastor-liveness", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        stopped.set()
+        thread.join(timeout=5)  # a write hung on an unreachable store: exit anyway
+
+    atexit.register(stop)
     return stop
 
 
