@@ -26,8 +26,9 @@ import pytest
 
 from elastor_mcore.elastic import node_timeline
 from elastor_mcore.elastic.heartbeat import HangPolicy
-from elastor_mcore.elastic.protocol import Beat, read_beats
+from elastor_mcore.elastic.protocol import LAUNCHER_EVENTS, Beat, read_beats, read_events
 from elastor_mcore.elastic.report import read_metrics
+from elastor_mcore.elastic.torchrun import AGENT_MODULE
 from tests.conftest import REPO, TINY
 from tests.single_process_reference import reference_losses
 
@@ -42,9 +43,9 @@ HEARTBEAT_TIMEOUT_S = 8
 # The wait for the second node once one is in; both agents re-enter within a second or two
 # of a worker failure (gloo errors at once, the monitor polls every 0.5 s).
 LAST_CALL_S = 5
-# A SIGKILLed agent's node leaves the rendezvous after keep_alive_interval x max_attempt
-# without keep-alives (torch's default 5 s x 3); 2 s x 3 stays well above the store's
-# write latency under load.
+# A SIGKILLed agent's node is evicted once its liveness stops (compat.rendezvous); torch's
+# keep-alive expiry (keep_alive_interval x max_attempt, torch's default 5 s x 3) is the
+# fallback, shortened here: 2 s x 3 stays well above the store's write latency under load.
 RDZV_CONF = f"last_call_timeout={LAST_CALL_S},keep_alive_interval=2,keep_alive_max_attempt=3"
 
 
@@ -59,6 +60,8 @@ class Job:
 
     python_path: tuple[str, ...] = ()
     env: dict[str, str] = {}
+    rdzv_conf = RDZV_CONF
+    steps = STEPS
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.run_dir, self.port = tmp, tmp / "run", free_port()
@@ -66,14 +69,14 @@ class Job:
 
     def workload_args(self) -> list[str]:
         """What the ranks run: the trainer on the tiny recipe."""
-        return ["--recipe", str(TINY), "--steps", str(STEPS), "--save-interval", "2",
+        return ["--recipe", str(TINY), "--steps", str(self.steps), "--save-interval", "2",
                 "--no-async-save"]
 
     def start(self, node: str, slots: int, health_file: Path | None = None
               ) -> subprocess.Popen:
         args = ["--hardware", str(CPU_SLOTS), "--run-dir", str(self.run_dir),
                 "--devices", "cpu", "--nnodes", "1:2", "--rdzv-endpoint",
-                f"127.0.0.1:{self.port}", "--rdzv-id", "nodes-test", "--rdzv-conf", RDZV_CONF,
+                f"127.0.0.1:{self.port}", "--rdzv-id", "nodes-test", "--rdzv-conf", self.rdzv_conf,
                 "--max-restarts", "5", "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
                 "--slots", str(slots), "--node-name", node]
         if health_file:
@@ -128,11 +131,13 @@ class Job:
                 proc.wait()
 
 
-def kill_agent(launcher: subprocess.Popen) -> None:
-    """SIGKILL the node's elastic agent (its workers die with it): the node is lost."""
+def kill_agent(launcher: subprocess.Popen) -> int:
+    """SIGKILL the node's elastic agent (its workers die with it): the node is lost.
+    Returns the agent's pid."""
     (agent,) = [p for p in psutil.Process(launcher.pid).children()
-                if "torch.distributed.run" in " ".join(p.cmdline())]
+                if AGENT_MODULE in " ".join(p.cmdline())]
     agent.send_signal(signal.SIGKILL)
+    return agent.pid
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +274,40 @@ def test_every_step_matches_the_uninterrupted_run(job, reference):
     assert STEPS in seen
     print("largest relative loss difference per step:",
           {s: f"{d:.1e}" for s, d in sorted(seen.items())})
+
+
+KEEP_ALIVE_S = 30
+"""The keep-alive of the eviction test: torch's own expiry of a lost node would take
+3 x 30 s."""
+
+
+class EvictionJob(Job):
+    """Two nodes of one slot each, whose keep-alives expire only after 90 s."""
+
+    rdzv_conf = (f"last_call_timeout=2,keep_alive_interval={KEEP_ALIVE_S},"
+                 f"keep_alive_max_attempt=3")
+    steps = 8
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_node_is_evicted_not_waited_for(tmp_path):
+    """b's agent is SIGKILLed: a's rendezvous evicts it once its liveness stops (before
+    its keep-alives could expire), and a finishes the job alone."""
+    job = EvictionJob(tmp_path)
+    try:
+        a = job.start("a", 1)
+        job.wait("node a's agent hosting the rendezvous store", job.store_up, [a])
+        b = job.start("b", 1)
+        job.wait("both nodes stepping", lambda: stepping_round(job, "b", 0, 2), [a, b])
+        killed = kill_agent(b)
+        assert b.wait(timeout=60) == 1
+        assert a.wait(timeout=DEADLINE_S) == 0, job.logs()
+    finally:
+        job.stop()
+    events = read_events(job.run_dir / "nodes/a/0" / LAUNCHER_EVENTS)
+    evicted = [e for e in events if e["event"] == "node_evicted"]
+    assert len(evicted) == 1 and f"_{killed}_" in evicted[0]["line"], (evicted, job.logs())
+    nodes = [{m["node"] for m in r["members"]} for r in job.rounds("a", 0)]
+    assert nodes[-2:] == [{"a", "b"}, {"a"}], nodes
+    formed = [e for e in events if e["event"] == "rendezvous_done"]
+    assert formed[-1]["time"] > evicted[0]["time"], (formed, evicted)

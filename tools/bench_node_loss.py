@@ -1,7 +1,7 @@
 """A node lost through torch's c10d rendezvous: from the kill to the survivors' first step.
 
     python tools/bench_node_loss.py [--runs 3] [--work DIR] [--last-call 5]
-                                    [--out bench_node_loss.json]
+                                    [--liveness-timeout S] [--out bench_node_loss.json]
 
 Each run is the first event of the multi-node test (``tests/test_elastic_nodes.py``) on
 its own: two ``elastor launch`` nodes on 127.0.0.1 (a: 1 CPU slot, hosting the
@@ -13,8 +13,10 @@ the kill (this tool's clock, on the same machine) to the last ``first_step`` eve
 a's next round, and detection from the kill to a's agent seeing its worker fail.
 Printed and written to ``--out``: each run's figures, the medians, and the bound of
 issue 35: 5 s plus the rendezvous's last-call wait (``--last-call``, torch's
-``last_call_timeout``: once a node is in, the round waits that long for more). Minutes
-per run; not part of the test suite.
+``last_call_timeout``: once a node is in, the round waits that long for more). The
+keep-alives are torch's default (5 s x 3): the lost node is evicted once its agent's
+liveness stops (``compat.rendezvous``; ``--liveness-timeout 0``: no eviction, torch's
+keep-alive expiry). Minutes per run; not part of the test suite.
 """
 
 from __future__ import annotations
@@ -38,13 +40,11 @@ sys.path.insert(0, str(ROOT))
 from elastor_mcore.elastic import node_timeline  # noqa: E402
 from elastor_mcore.elastic.protocol import (EVENTS_FILE, LAUNCHER_EVENTS, ROUNDS_DIR,  # noqa: E402
                                              ROUNDS_FILE, read_events)
+from elastor_mcore.elastic.torchrun import AGENT_MODULE  # noqa: E402
 
 TINY = ROOT / "recipes" / "tiny-llama.yaml"
 CPU_SLOTS = ROOT / "recipes" / "hardware" / "cpu-slots.yaml"
 STEPS = 10
-KEEP_ALIVE = "keep_alive_interval=2,keep_alive_max_attempt=3"
-"""A SIGKILLed agent's node leaves the rendezvous after interval x attempts without
-keep-alives (torch's default 5 s x 3), as in the multi-node test."""
 DEADLINE_S = 600
 PHASES = ("rendezvous_s", "relaunch_s", "probe_s", "plan_s", "build_s", "load_s",
           "first_step_s")
@@ -56,13 +56,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_node(run_dir: Path, port: int, node: str, slots: int, last_call: float,
+def start_node(run_dir: Path, port: int, node: str, slots: int, rdzv_conf: str,
                log: Path) -> subprocess.Popen:
     args = ["--recipe", str(TINY), "--hardware", str(CPU_SLOTS), "--steps", str(STEPS),
             "--save-interval", "2", "--no-async-save", "--run-dir", str(run_dir),
             "--devices", "cpu", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}",
-            "--rdzv-id", "bench-node-loss", "--rdzv-conf",
-            f"last_call_timeout={last_call:g},{KEEP_ALIVE}", "--max-restarts", "3",
+            "--rdzv-id", "bench-node-loss", "--rdzv-conf", rdzv_conf, "--max-restarts", "3",
             "--heartbeat-timeout", "8", "--slots", str(slots), "--node-name", node]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     with open(log, "w") as out:
@@ -96,19 +95,19 @@ def both_nodes_stepped(node_dir: Path) -> bool:
             and bool(read_events(events, "first_step")))
 
 
-def one_run(work: Path, last_call: float) -> dict:
+def one_run(work: Path, rdzv_conf: str) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     run_dir, port = work / "run", free_port()
     a_dir = run_dir / "nodes" / "a" / "0"
-    a = start_node(run_dir, port, "a", 1, last_call, work / "a.log")
+    a = start_node(run_dir, port, "a", 1, rdzv_conf, work / "a.log")
     procs = [a]
     try:
         wait_for("node a's agent hosting the rendezvous store", lambda: store_up(port), [a])
-        b = start_node(run_dir, port, "b", 2, last_call, work / "b.log")
+        b = start_node(run_dir, port, "b", 2, rdzv_conf, work / "b.log")
         procs.append(b)
         wait_for("both nodes stepping together", lambda: both_nodes_stepped(a_dir), [a, b])
         (agent,) = [p for p in psutil.Process(b.pid).children()
-                    if "torch.distributed.run" in " ".join(p.cmdline())]
+                    if AGENT_MODULE in " ".join(p.cmdline())]
         killed_at = time.time()
         agent.send_signal(signal.SIGKILL)
         b.wait(timeout=60)
@@ -137,13 +136,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work", default="runs/bench-node-loss")
     parser.add_argument("--last-call", type=float, default=5.0)
+    parser.add_argument("--liveness-timeout", type=float, default=None,
+                        help="compat.rendezvous's liveness_timeout (default: its default; "
+                             "0: no eviction)")
     parser.add_argument("--out", default="bench_node_loss.json")
     args = parser.parse_args(argv)
+    rdzv_conf = f"last_call_timeout={args.last_call:g}" + (
+        "" if args.liveness_timeout is None else f",liveness_timeout={args.liveness_timeout:g}")
     runs = []
     for i in range(args.runs):
         print(f"bench_node_loss: run {i + 1}/{args.runs}, load average "
               f"{os.getloadavg()[0]:.1f} ...", flush=True)
-        run = one_run(Path(args.work) / str(i), args.last_call)
+        run = one_run(Path(args.work) / str(i), rdzv_conf)
         runs.append(run)
         print("  " + ", ".join(f"{k[:-2]} {v:.2f}s" for k, v in run.items()
                                if k.endswith("_s") and v is not None), flush=True)
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                for k in ("total_s", "detect_s", *PHASES) if all(r[k] is not None for r in runs)}
     bound = 5.0 + args.last_call
     Path(args.out).write_text(json.dumps({"runs": runs, "medians": medians,
+                                          "rdzv_conf": rdzv_conf,
                                           "last_call_s": args.last_call, "bound_s": bound},
                                          indent=1) + "\n")
     print(f"\nnode loss -> first step through c10d, median of {len(runs)}: "

@@ -103,7 +103,9 @@ class NodeSettings(Flags):
         "between nodes)", ("launch",), metavar="NAME"))
     rdzv_conf: str | None = field(default=None, metadata=setting(
         "torchrun's --rdzv-conf, e.g. last_call_timeout=5 (the wait for more nodes once "
-        "MIN are there; torch's default is 30 s)", ("launch",), metavar="K=V,..."))
+        "MIN are there; torch's default is 30 s); liveness_timeout=S evicts a lost node "
+        "after S seconds without its agent's liveness (default 1.5; 0: at its keep-alive "
+        "expiry)", ("launch",), metavar="K=V,..."))
     health_file: str | None = field(default=None, metadata=setting(
         "a list of this node's dead slots, read at every round (an external health check "
         "may write it)", ("launch",), metavar="YAML"))

@@ -1,12 +1,13 @@
 """One node of a multi-node job: run torch's elastic agent for this node's slots and
 watch its workers for hangs.
 
-Torch's agent (``torch.distributed.run --nnodes MIN:MAX --rdzv-backend c10d``) does
-membership, rendezvous, restarts (``--max-restarts``) and scale-up: when a worker
-fails, when a node is lost (its workers' peers fail) or when a node joins, every
-agent stops its workers and the next round starts fresh ones on the nodes present,
-which agree on a layout for the healthy devices (``elastic.rank.rendezvous_round``) and
-resume from the latest committed checkpoint. This launcher adds what torch has not:
+Torch's agent (``torch.distributed.run --nnodes MIN:MAX``, with torch's c10d rendezvous
+less the wait for a lost node's keep-alives: ``compat.rendezvous``) does membership,
+rendezvous, restarts (``--max-restarts``) and scale-up: when a worker fails, when a
+node is lost (its workers' peers fail) or when a node joins, every agent stops its
+workers and the next round starts fresh ones on the nodes present, which agree on a
+layout for the healthy devices (``elastic.rank.rendezvous_round``) and resume from the
+latest committed checkpoint. This launcher adds what torch has not:
 
 - hangs: a worker whose heartbeat stops is SIGKILLed (torch then sees a failure);
 - the agent's log lines, timestamped as they arrive (detection, rendezvous, start of
@@ -58,8 +59,11 @@ AGENT_LINES = (
     ("rendezvous_start", re.compile(r"Rendezvous'ing worker group")),
     ("rendezvous_done", re.compile(r"Rendezvous complete for workers")),
     ("workers_start", re.compile(r"Starting worker group")),
+    ("node_evicted", re.compile(r"elastor-c10d: evicted node")),
 )
-"""The agent's INFO lines (same text in torch 2.13 and 2.14) that time a recovery."""
+"""The agent's INFO lines (same text in torch 2.13 and 2.14) that time a recovery, and
+the rendezvous's evictions of lost nodes (``compat.rendezvous.EVICTED``, not imported:
+it would load torch.distributed into the launcher)."""
 PROGRESS = re.compile(r"(step +\d+  loss|step time:|planner:)")
 """The reporting rank's lines (``elastic.rank.worker.MetricsPrinter``), echoed for people."""
 

@@ -2,9 +2,10 @@
 
 We never reimplement rendezvous: torchrun (``torch.distributed.run``) in standalone
 mode picks a free port, starts ``nproc`` workers and tears them all down when one
-fails; for several nodes, each node runs torch's elastic agent with the c10d
-rendezvous backend (``elastic_agent_command``), which does membership, restarts and
-scale-up.
+fails; for several nodes, each node runs torch's elastic agent with torch's c10d
+rendezvous, less the wait for a lost node's keep-alives to expire (the
+``elastor-c10d`` backend of ``compat.rendezvous``; ``elastic_agent_command``), which
+does membership, restarts and scale-up.
 
 Stopping is part of launching. Torchrun runs in a session of its own (so a
 terminal's Ctrl-C, which goes to the launcher's foreground process group, reaches
@@ -37,18 +38,22 @@ def torchrun_command(nproc: int, module: str, args: Sequence[str] = ()) -> list[
             module, *args]
 
 
+AGENT_MODULE = "elastor_mcore.compat.rendezvous"
+"""A node's elastic agent: ``torch.distributed.run`` with ``elastor-c10d`` registered."""
+RDZV_BACKEND = "elastor-c10d"
 MONITOR_INTERVAL_S = 0.5
 """How often a node's agent checks its workers (torch's default is 5 s)."""
 
 
 def elastic_agent_command(nproc: int, nodes: NodeSettings, max_restarts: int, module: str,
                           args: Sequence[str] = ()) -> list[str]:
-    """``python -m torch.distributed.run --nnodes MIN:MAX --rdzv-backend c10d ...``: one
-    node's elastic agent for the job ``nodes`` describes (every node gets the same
-    endpoint, id and node counts; the agent on the endpoint's host hosts the rendezvous
-    store), starting ``nproc`` workers at every rendezvous round."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes.nnodes}",
-               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+    """``python -m elastor_mcore.compat.rendezvous --nnodes MIN:MAX --rdzv-backend
+    elastor-c10d ...`` (torchrun's arguments): one node's elastic agent for the job
+    ``nodes`` describes (every node gets the same endpoint, id and node counts; the
+    agent on the endpoint's host hosts the rendezvous store), starting ``nproc``
+    workers at every rendezvous round."""
+    command = [sys.executable, "-m", AGENT_MODULE, f"--nnodes={nodes.nnodes}",
+               f"--nproc-per-node={nproc}", f"--rdzv-backend={RDZV_BACKEND}",
                f"--rdzv-endpoint={nodes.rdzv_endpoint}", f"--rdzv-id={nodes.rdzv_id}",
                f"--max-restarts={max_restarts}", f"--monitor-interval={MONITOR_INTERVAL_S}"]
     if nodes.rdzv_conf:
