@@ -76,14 +76,6 @@ class Workload(ABC):
     prestarted = False
     """Whether its ranks run under a keeper, forked from the pre-imported worker when
     there is one (``elastic.prestart``)."""
-    zygote_imports: tuple[str, ...] = ()
-    """Its ranks' heavy modules beyond torch, Megatron-Core and elastor's own, which the
-    pre-imported worker imports too (found with ``zygote_path`` first)."""
-
-    @property
-    def zygote_path(self) -> tuple[str, ...]:
-        """Where the pre-imported worker finds ``zygote_imports``."""
-        return ()
 
     @property
     @abstractmethod

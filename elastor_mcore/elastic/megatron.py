@@ -59,14 +59,8 @@ class MegatronLM(Workload):
     """The job's recipe file (``megatron-recipe.yaml``)."""
     module = "elastor_mcore.elastic.rank.megatron"
     prestarted = True
-    """Its ranks fork from the zygote, which holds torch, Megatron-Core and Megatron-LM's
-    ``megatron.training`` (from the script's checkout); each runs ``pretrain_gpt.py`` as
-    a cold rank does."""
-    zygote_imports = ("megatron.training",)
-
-    @property
-    def zygote_path(self) -> tuple[str, ...]:
-        return (str(Path(self.settings.script).parent),)
+    """Its ranks fork from the zygote, which holds torch and Megatron-Core; each imports
+    ``megatron.training`` and runs ``pretrain_gpt.py`` as a cold rank does."""
 
     @property
     def steps(self) -> int:
