@@ -10,8 +10,10 @@ import pytest
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
+from elastor_mcore.compat import rendezvous
 from elastor_mcore.compat.rendezvous import (LivenessBackend, liveness_key, liveness_timeout,
                                              start_liveness)
+from elastor_mcore.elastic import node, torchrun
 
 TIMEOUT_S = 1.0
 
@@ -43,3 +45,13 @@ def test_a_bad_liveness_timeout_is_refused_by_name(value):
                                   liveness_timeout=value)
     with pytest.raises(ValueError, match="liveness_timeout must be seconds >= 0"):
         liveness_timeout(params)
+
+
+def test_the_launcher_names_this_backend_and_reads_its_evictions():
+    """The launcher writes the agent's module, the backend and the eviction line's start
+    as text (importing ``compat.rendezvous`` would load torch.distributed into it): they
+    must stay this module's."""
+    assert torchrun.AGENT_MODULE == rendezvous.__name__
+    assert torchrun.RDZV_BACKEND == rendezvous.BACKEND
+    (evicted,) = [pattern for name, pattern in node.AGENT_LINES if name == "node_evicted"]
+    assert evicted.search(f"2026-12-04 12:00:00 {rendezvous.EVICTED} 'a' from round 3")
