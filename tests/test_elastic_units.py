@@ -11,7 +11,7 @@ from elastor_mcore.config.failure_plan import (Failure, FailurePlanError, parse_
                                             validate)
 from elastor_mcore.config.launch import MegatronSettings
 from elastor_mcore.config.run import RunSettings
-from elastor_mcore.elastic import protocol
+from elastor_mcore.elastic import node, protocol
 from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.job import Trainer, latest_readable, renumbered
 from elastor_mcore.elastic.megatron import MegatronLM
@@ -315,3 +315,15 @@ def test_launch_tells_the_trainers_flags_from_megatron_lms(tmp_path, capsys, arg
                      "--run-dir", str(tmp_path / "run"), "--devices", "cpu", *args])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, is_error", [
+    ("torch.distributed.elastic.rendezvous.api.RendezvousClosedError", True),
+    ("RuntimeError: [../gloo/transport/tcp/pair.cc:561] Connection closed by peer", True),
+    ("torch.distributed.DistStoreError: Timed out after 61 seconds waiting for clients", True),
+    ("I1204 22:38:16.940000 21907 torch/distributed/elastic/agent/server/api.py:942] "
+     "[default] Worker group FAILED. 5/5 attempts left; will restart worker group", False),
+    ("elastor launch: node a: step     3  loss 6.255420  grad_norm 0.7773", False),
+])
+def test_a_node_failure_names_the_agents_last_error_line(line, is_error):
+    assert bool(node.ERROR_LINE.match(line)) is is_error

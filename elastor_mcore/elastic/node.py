@@ -65,6 +65,8 @@ AGENT_LINES = (
 the rendezvous's evictions of lost nodes (``compat.rendezvous.EVICTED``, not imported:
 it would load torch.distributed into the launcher)."""
 PROGRESS = re.compile(r"(step +\d+  loss|step time:|planner:)")
+ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception)(: .*)?$")
+"""A traceback's last line: the failure message names the agent's latest one."""
 """The reporting rank's lines (``elastic.rank.worker.MetricsPrinter``), echoed for people."""
 
 
@@ -130,6 +132,8 @@ class NodeLauncher:
         """Points the keepers to this node's pre-imported worker (``elastic.prestart``)."""
         self.killed: set[int] = set()
         """Workers killed as hung (dying takes a moment: kill each once)."""
+        self.last_error = ""
+        """agent.log's latest traceback line (the agent's or a worker's), for a failure."""
 
     def command(self) -> list[str]:
         """The elastic agent's command: it starts the workload's round command on every
@@ -204,6 +208,8 @@ class NodeLauncher:
                 line = raw.decode(errors="replace")
                 if PROGRESS.match(line):
                     self.on_message(f"node {self.config.node}: {line.strip()}")
+                if ERROR_LINE.match(line.strip()):
+                    self.last_error = line.strip()[-300:]
                 for event, pattern in AGENT_LINES:
                     if pattern.search(line):
                         append_event(self.events, event, line=line.strip()[-300:])
@@ -250,5 +256,6 @@ class NodeLauncher:
         return NodeOutcome(
             False, f"the elastic agent exited with code {code} without the job ending (its "
                    f"restarts, --max-restarts {self.config.launch.max_restarts}, are used up, "
-                   f"or the rendezvous closed); see {self.node_dir}/agent.log",
+                   f"or the rendezvous closed); see {self.node_dir}/agent.log"
+                   + (f" (its last error: {self.last_error})" if self.last_error else ""),
             self.node_dir, code)
