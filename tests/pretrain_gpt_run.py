@@ -28,6 +28,7 @@ from pathlib import Path
 
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.elastic import prestart
+from elastor_mcore.elastic.megatron import script_core_imports
 from tests.conftest import PRE_IMPORTED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,11 +147,14 @@ def shimmed_env() -> dict[str, str]:
 
 
 @functools.cache
-def zygote_env() -> dict[str, str]:
+def zygote_env(script: Path) -> dict[str, str]:
     """The environment pointing keepers to this pytest process's pre-imported worker for
-    Megatron-LM ranks, started at the first warm run (the suite's other worlds have
-    their own, without the shims: ``conftest.zygote_env``)."""
-    return PRE_IMPORTED.enter_context(prestart.prestarted(True, env=shimmed_env()))
+    the Megatron-LM ranks of ``script``, started at its first warm run; it holds the
+    script's Megatron-Core imports too, as ``elastor launch --megatron-lm``'s does
+    (``MegatronLM.zygote_imports``). The suite's other worlds have their own, without
+    the shims: ``conftest.zygote_env``."""
+    return PRE_IMPORTED.enter_context(prestart.prestarted(
+        True, env=shimmed_env(), imports=script_core_imports(script)))
 
 
 def run_pretrain_gpt(megatron_lm_dir: Path, nproc: int, args: list[str], workdir: Path,
@@ -167,7 +171,7 @@ def run_pretrain_gpt(megatron_lm_dir: Path, nproc: int, args: list[str], workdir
                                        str(script)]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", *rank, *default_args(tied_embeddings), *args]
-    run_env = shimmed_env() if cold else dict(shimmed_env(), **zygote_env())
+    run_env = shimmed_env() if cold else dict(shimmed_env(), **zygote_env(script))
     run_env.update(env or {})
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(command, cwd=workdir, env=run_env, stdout=subprocess.PIPE,

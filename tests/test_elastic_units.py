@@ -3,6 +3,8 @@ detection, rank remapping, the timeline and the CUDA probe's timeout."""
 
 import collections
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +16,7 @@ from elastor_mcore.config.run import RunSettings
 from elastor_mcore.elastic import node, protocol
 from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.job import Trainer, latest_readable, renumbered
-from elastor_mcore.elastic.megatron import MegatronLM
+from elastor_mcore.elastic.megatron import MegatronLM, script_core_imports
 from elastor_mcore.elastic.probe import probe_cuda
 from elastor_mcore.integrations.megatron_lm.launch_flags import MegatronJob
 from elastor_mcore.elastic.protocol import (EVENTS_FILE, Beat, HeartbeatWriter, append_event,
@@ -327,3 +329,18 @@ def test_launch_tells_the_trainers_flags_from_megatron_lms(tmp_path, capsys, arg
 ])
 def test_a_node_failure_names_the_agents_last_error_line(line, is_error):
     assert bool(node.ERROR_LINE.match(line)) is is_error
+
+
+def test_the_zygote_pre_imports_the_scripts_megatron_core_modules_only(tmp_path):
+    script = tmp_path / "pretrain.py"
+    script.write_text("import os\nimport megatron.core.a, torch\nfrom megatron.core.b import c\n"
+                      "from megatron.training import pretrain\nfrom . import near\n"
+                      "from megatron.core.a import d\n"
+                      "def main():\n    import megatron.core.inner\n")
+    assert script_core_imports(script) == ("megatron.core.a", "megatron.core.b")
+    assert script_core_imports(tmp_path / "missing.py") == ()
+    checkout = os.environ.get("MEGATRON_LM_DIR")
+    if checkout:  # the real script: its tokenizer module (0.16: loads transformers)
+        real = script_core_imports(Path(checkout) / "pretrain_gpt.py")
+        assert any(".tokenizers." in name for name in real), real
+        assert not any(name.startswith("megatron.training") for name in real), real

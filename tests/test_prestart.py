@@ -24,7 +24,7 @@ RANK = """
 import concurrent.futures, multiprocessing, os, sys, time
 if __name__ == "__main__":  # not in a multiprocessing child, which imports this module
     print("rank", os.getpid(), sys.argv[1:], os.environ.get("WHO"), os.getcwd(),
-          "torch" in sys.modules, flush=True)
+          "torch" in sys.modules, "xml.dom.minidom" in sys.modules, flush=True)
     if sys.argv[1] in ("child", "child-stays"):  # a (daemon) child of its own, then exit
         child = multiprocessing.get_context("spawn").Process(target=time.sleep,
                                                              args=(600,), daemon=True)
@@ -58,14 +58,16 @@ def keeper(tmp: Path, env: dict, *args: str, wait: bool = True):
 
 @pytest.fixture(scope="module")
 def zygote():
-    with prestarted(True) as env:
+    """A zygote that also pre-imports a workload's modules, one of which is missing."""
+    with prestarted(True, imports=("xml.dom.minidom", "elastor_no_such_module")) as env:
         yield env
 
 
 def test_a_rank_from_the_zygote_finds_torch_imported(zygote, tmp_path):
     result = keeper(tmp_path, zygote, "probe_rank", "3", "x")
     assert result.returncode == 3, result.stderr
-    assert f"['3', 'x'] keeper {tmp_path} True" in result.stdout  # torch imported before
+    # torch and the workload's module imported before; the missing one did not stop it
+    assert f"['3', 'x'] keeper {tmp_path} True True" in result.stdout
     started = time.perf_counter()
     assert keeper(tmp_path, zygote, "probe_rank", "0").returncode == 0
     print(f"a keeper and its rank from the zygote, start to exit: "

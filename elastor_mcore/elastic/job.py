@@ -78,6 +78,12 @@ class Workload(ABC):
     there is one (``elastic.prestart``)."""
 
     @property
+    def zygote_imports(self) -> tuple[str, ...]:
+        """Its ranks' heavy modules beyond what every pre-imported worker holds
+        (``rank.zygote.PRELOAD``), which its pre-imported worker imports too."""
+        return ()
+
+    @property
     @abstractmethod
     def steps(self) -> int:
         """Steps (iterations) of the whole run."""

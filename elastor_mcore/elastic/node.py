@@ -160,7 +160,8 @@ class NodeLauncher:
                         f"{cfg.nodes.nnodes}); files in {self.node_dir}")
         with CheckpointLease(cfg.checkpoint_dir, f"rdzv:{cfg.nodes.rdzv_id}") as lease, \
                 prestart.prestarted(cfg.launch.zygote and cfg.workload.prestarted,
-                                    self.node_dir / "zygote.log") as self.prestart_env:
+                                    self.node_dir / "zygote.log",
+                                    imports=cfg.workload.zygote_imports) as self.prestart_env:
             outcome = self._run_agent(lease)
         outcome.timeline = node_timeline.build(self.node_dir)
         node_timeline.write_json(self.node_dir / "timeline.json", outcome.timeline)

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from elastor_mcore.compat.process import parent_death_preexec
 from elastor_mcore.elastic.job import RankCommand
@@ -38,12 +38,14 @@ def keeper_command(rank: RankCommand, in_place: bool) -> RankCommand:
 
 @contextlib.contextmanager
 def prestarted(enabled: bool, log_path: Path | None = None,
-               env: dict[str, str] | None = None) -> Iterator[dict[str, str]]:
+               env: dict[str, str] | None = None,
+               imports: Sequence[str] = ()) -> Iterator[dict[str, str]]:
     """While inside, a zygote runs (if ``enabled``); yields the environment that points
     the keepers to it (empty when not enabled). ``env`` is added to the zygote's own
     environment: it shapes what the zygote's interpreter loads at its start (a
     ``sitecustomize`` on ``PYTHONPATH``), which its ranks inherit; each rank runs with
-    its keeper's environment."""
+    its keeper's environment. ``imports``: the workload's own heavy modules, which the
+    zygote imports too (``Workload.zygote_imports``)."""
     if not enabled:
         yield {}
         return
@@ -51,7 +53,8 @@ def prestarted(enabled: bool, log_path: Path | None = None,
     socket_path = directory / "sock"
     out = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(
-        [sys.executable, "-m", ZYGOTE, "--socket", str(socket_path)], env=worker_env(env),
+        [sys.executable, "-m", ZYGOTE, "--socket", str(socket_path),
+         *(f"--import={name}" for name in imports)], env=worker_env(env),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         preexec_fn=parent_death_preexec(signal.SIGKILL))
     try:

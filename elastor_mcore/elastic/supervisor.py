@@ -162,7 +162,8 @@ class Supervisor:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         with CheckpointLease(cfg.checkpoint_dir, new_job_id()) as self.lease, \
                 prestart.prestarted(cfg.launch.zygote and cfg.workload.prestarted,
-                                    cfg.run_dir / "zygote.log") as self.prestart_env:
+                                    cfg.run_dir / "zygote.log",
+                                    imports=cfg.workload.zygote_imports) as self.prestart_env:
             self._choose_profile()
             return self._run()
 

@@ -36,6 +36,7 @@ import socket
 import sys
 import time
 import warnings
+from typing import Sequence
 
 from elastor_mcore.compat.process import die_with_parent, signal_rank
 
@@ -50,12 +51,20 @@ measured), although nothing is compiled."""
 MAX_REQUEST = 1 << 20
 
 
-def preload() -> float:
-    """Import ``PRELOAD``; returns the seconds it took."""
+def preload(extra: Sequence[str] = ()) -> float:
+    """Import ``PRELOAD``, then the workload's ``extra`` modules; returns the seconds it
+    took. An extra module that fails to import is left to the ranks, which then fail on
+    it themselves, as cold ranks would."""
     start = time.perf_counter()
     warnings.filterwarnings("ignore")
     for name in PRELOAD:
         __import__(name)
+    for name in extra:
+        try:
+            __import__(name)
+        except Exception as exc:  # the ranks' own import says what is wrong
+            log.warning("zygote: could not pre-import %s (%s); its ranks import it "
+                        "themselves", name, exc)
     return time.perf_counter() - start
 
 
@@ -195,14 +204,16 @@ class Zygote:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elastor_mcore.elastic.rank.zygote")
     parser.add_argument("--socket", required=True, help="the Unix socket to listen on")
+    parser.add_argument("--import", dest="imports", action="append", default=[],
+                        metavar="MODULE", help="also pre-import MODULE (the workload's)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=os.environ.get("ELASTOR_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
     die_with_parent()  # the launcher that started it is gone: so is the job
-    took = preload()
+    took = preload(args.imports)
     zygote = Zygote(args.socket)
-    log.info("zygote: imported %s in %.1fs; serving on %s", ", ".join(PRELOAD), took,
-             args.socket)
+    log.info("zygote: imported %s in %.1fs; serving on %s",
+             ", ".join([*PRELOAD, *args.imports]), took, args.socket)
     zygote.serve()
     return 0
 
