@@ -58,8 +58,9 @@ def kill_when(args: list[str], log: Path, moment: Callable[[], bool], victim: in
     then (it may assert). The first time ``freeze()`` holds, ``victim`` is stopped
     (SIGSTOP): it does nothing more until the kill, while the other ranks go on."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "elastor_mcore.cli", "train", *args],
+    with open(log, "w") as out:  # cold ranks: found by their command line (worker_ranks)
+        proc = subprocess.Popen([sys.executable, "-m", "elastor_mcore.cli", "train",
+                                 "--no-zygote", *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     ranks: dict[int, psutil.Process] = {}
     frozen = False

@@ -1,4 +1,5 @@
-"""``elastor train``: validate a recipe and layout, then run them under torchrun."""
+"""``elastor train``: validate a recipe and layout, then run them under torchrun, each
+rank forked from a pre-imported worker (``elastic.prestart``) unless ``--no-zygote``."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ from elastor_mcore.checkpoint.lease import CheckpointLease, new_job_id
 from elastor_mcore.cli.stopping import report_stop, stopped_by
 from elastor_mcore.config.data import (DataConfig, DataFlagError, add_data_args,
                                        data_config_from_args)
+from elastor_mcore.config.launch import LaunchSettings
 from elastor_mcore.config.recipe import RecipeError, load_recipe
 from elastor_mcore.config.run import RunSettings
 from elastor_mcore.data.config import validate_data_config
 from elastor_mcore.data.errors import DataError
-from elastor_mcore.elastic.job import Trainer
+from elastor_mcore.elastic import prestart
+from elastor_mcore.elastic.job import RankCommand, Trainer
 from elastor_mcore.elastic.torchrun import run_torchrun
 from elastor_mcore.parallel.layout import LayoutError, load_layout
 
@@ -28,6 +31,7 @@ def register(subparsers) -> None:
     RunSettings.add_arguments(parser, "train", {"memory_interval": {"default": 0}})
     parser.add_argument("--world-size", type=int, default=None,
                         help="ranks to start (default: the layout's); extra ranks stay idle")
+    LaunchSettings.add_arguments(parser, "train")  # --zygote / --no-zygote
     add_data_args(parser, "train")
     parser.set_defaults(func=run)
 
@@ -80,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"elastor train: {recipe.name} on {layout.num_gpus} of {world} ranks: "
           f"{layout.describe()}", flush=True)
     try:
-        result = run_torchrun(world, Trainer.module, settings.to_argv("worker"))
+        result = run_ranks(world, RankCommand(Trainer.module, settings.to_argv("worker")),
+                           args.zygote)
     finally:
         if lease:
             lease.release()
@@ -91,3 +96,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"elastor train: a rank failed (exit code {result.returncode}); its error is "
               f"above", file=sys.stderr)
     return result.returncode
+
+
+def run_ranks(world: int, rank: RankCommand, zygote: bool):
+    """Run ``world`` ranks of ``rank`` to the end. With ``zygote`` and more than one
+    rank, each rank runs under a keeper, forked from a pre-imported worker started for
+    this run: the ranks do not each import torch and Megatron-Core (seconds of CPU a
+    rank); a single rank would only wait for the worker's imports."""
+    with prestart.prestarted(zygote and world > 1) as env:
+        if env:
+            rank = prestart.keeper_command(rank, in_place=False)
+        return run_torchrun(world, rank.module, rank.args, env=env)

@@ -69,8 +69,8 @@ class LaunchSettings(Flags):
     zygote: bool = field(default=True, metadata=setting(
         "start every rank from a pre-imported worker that holds torch and Megatron-Core "
         "(forked in a fraction of a second) rather than a new interpreter importing "
-        "them (default: on)", ("launch", "demo")))
-    """One host (``elastic.prestart``)."""
+        "them (default: on)", ("launch", "demo", "train")))
+    """One host (``elastic.prestart``); ``elastor train`` takes this flag alone."""
     use_all_slots: bool = False
     """Keep every alive slot busy (``planner.plan(use_all=True)``): for CPU slots that
     stand for GPUs (``elastor demo``), where the fastest layout on fewer cores than slots
