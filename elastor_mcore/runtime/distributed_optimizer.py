@@ -9,9 +9,14 @@ in the order gradient reduction uses (``grad_sync``); the buffer is cut into one
 contiguous segment per holder, at row boundaries (dim 0) of its cells so that every
 owned part of a cell is a box of the global tensor: it is checkpointed as such, in
 global coordinates, and any layout, sharded or not, loads it. Cuts fall only on the
-checkpoint's inner-chunk boundaries (``chunk_rows``), so a sharded save writes the
-same chunks as an unsharded one; segments are as even as that allows (within one
-chunk of ``numel / holders`` per cut; norms and other small tensors may stay whole).
+file boundaries of an unsharded save of the same layout (``file_rows``), so a ZeRO-1
+save writes the files the replicated state's would, as many at any data parallelism,
+each from one owner, and every rank knows the file grid of its tensors from the
+layout alone (``file_cuts``; the save plans nothing across ranks,
+``checkpoint.Replicas.grid``). The price is balance: segments are as even as whole
+files allow (within one file of ``numel / holders`` per cut, a holder may own nothing
+where a replica set has fewer files than holders; norms and other small tensors stay
+whole).
 
 Each step, per replica set in one global order (overlapping groups cannot deadlock):
 
@@ -153,18 +158,25 @@ def shard_buckets(cells: Sequence[Cell], stages: Callable[[tuple[int, ...]], int
             for holders, group in sorted(by_holders.items())]
 
 
-def chunk_rows(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
-               policy: ChunkPolicy) -> dict[str, int]:
-    """Per key, the dim-0 length of the inner chunks an unsharded save of these shards
-    writes (``checkpoint.format.choose_entry``): segments cut only there, so a sharded
-    save keeps every inner chunk whole (the same chunks, files never straddling two
-    owners) at the price of balance within one chunk per cut."""
+def file_cuts(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]]
+              ) -> dict[str, list[list[int]]]:
+    """Per key of ``cells``, the cut points of its holders' boxes along each dim: what
+    an unsharded save of the layout chooses its files from (``format.choose_entry``),
+    known to every holder of the key from the layout."""
     boxes: dict[str, list[Box]] = {}
     for cell in cells:
         boxes.setdefault(cell.key, []).append(cell.box)
-    return {key: choose_entry(shapes[key], "float32", boundaries(shapes[key], held),
-                              policy).chunks[0]
-            for key, held in boxes.items()}
+    return {key: boundaries(shapes[key], held) for key, held in boxes.items()}
+
+
+def file_rows(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
+              policy: ChunkPolicy) -> dict[str, int]:
+    """Per key, the dim-0 length of the files an unsharded save of these shards
+    writes (fp32, ``checkpoint.format.choose_entry``): segments cut only there, so a
+    sharded save writes the same files, each from one owner, however many holders
+    share a tensor, at the price of balance within one file per cut."""
+    return {key: choose_entry(shapes[key], "float32", cuts, policy).shard[0]
+            for key, cuts in file_cuts(cells, shapes).items()}
 
 
 def rank_buckets(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
@@ -174,7 +186,7 @@ def rank_buckets(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
     keys alone (no collective): what ``ShardPlan.build`` gives it, and what
     ``tools/bench_scale.py`` derives for a simulated rank's ZeRO-1 state."""
     return shard_buckets([c for c in cells if rank in c.holders], stages,
-                         chunk_rows(cells, shapes, chunking))
+                         file_rows(cells, shapes, chunking))
 
 
 def planned_state_bytes(buckets: Sequence[ShardBucket], rank: int) -> tuple[int, float]:
@@ -431,6 +443,12 @@ class ZeroShards:
         shapes = self.plan.refinement.shapes
         return [LocalShard(f.cell.key, shapes[f.cell.key], f.box.offset, m)
                 for b in self._buckets for f, m in zip(b.fragments, b.mains)]
+
+    def file_grid(self) -> dict[str, list[list[int]]]:
+        """Per key of this rank's tensors, the cuts its checkpoint files are chosen
+        from (``file_cuts``): the grid a save of ``main_shards`` needs
+        (``checkpoint.Replicas.grid``), the segments being cut at its file rows."""
+        return file_cuts(self.plan.refinement.cells, self.plan.refinement.shapes)
 
     def expected_state_nbytes(self) -> float:
         """The formula: 12 bytes per parameter divided by its replica count."""
