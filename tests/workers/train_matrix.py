@@ -59,7 +59,8 @@ from elastor_mcore import checkpoint
 from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer, planned_state_bytes
 from elastor_mcore.runtime import reshard
 from elastor_mcore.runtime.memory_tier import MemoryTier
-from elastor_mcore.runtime.state import chunk_policy, manifest_fields, set_position, state_shards
+from elastor_mcore.runtime.state import (
+    chunk_policy, manifest_fields, set_position, state_replicas, state_shards)
 from elastor_mcore.compat import cpu
 from elastor_mcore.data.samples import SyntheticTokens
 from elastor_mcore.parallel.groups import GroupCache
@@ -168,7 +169,8 @@ def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root
         checkpoint.save(case["save"], case["steps"],
                         state_shards(runner.model, runner.optimizer),
                         manifest_fields(recipe, layout, case["steps"], seed, runner.optimizer),
-                        group=runner.groups.active, chunking=chunk_policy(recipe))
+                        group=runner.groups.active, chunking=chunk_policy(recipe),
+                        replicas=state_replicas(runner.groups.layout, runner.optimizer))
     return runner
 
 
