@@ -93,6 +93,16 @@ class ShardBucket:
         """The longest segment: what each holder sends and receives, padded."""
         return max(b - a for a, b in zip(self.cuts, self.cuts[1:]))
 
+    @property
+    def pads_cheaply(self) -> bool:
+        """Whether the equal-segment collectives (``reduce_scatter_tensor``,
+        ``all_gather_into_tensor``, on ``holders x segment_numel``) move at most twice
+        the buffer: segments cut at whole files can be far from even (a replica set
+        with fewer files than holders: 8B's at 16,384 GPUs padded to 32 times its
+        size), and there an all-reduce of the buffer (twice its bytes, and no
+        larger) costs less than the padding."""
+        return self.segment_numel * len(self.holders) <= 2 * self.numel
+
     def segment(self, holder: int) -> tuple[int, int]:
         i = self.holders.index(holder)
         return self.cuts[i], self.cuts[i + 1]
@@ -309,7 +319,8 @@ class ZeroShards:
         """Reduce-scatter every replica set's gradients into the owned segments.
 
         ``native`` (default: on every backend but gloo) runs ``reduce_scatter_tensor``
-        on the padded buffer; otherwise an all-reduce of the unpadded buffer, of
+        on the padded buffer where it pads cheaply (``ShardBucket.pads_cheaply``);
+        otherwise an all-reduce of the unpadded buffer, of
         which each holder keeps its segment: gloo then sums every element in the
         order the unsharded run's all-reduce does (its reduce-scatter of the padded
         buffer does not, measured: 1-ulp differences with three pipelines), so
@@ -340,7 +351,7 @@ class ZeroShards:
             return Pending(index, flat, None)
         if not b.contributes:
             flat.zero_()
-        if native if native is not None else dist.get_backend(b.group) != "gloo":
+        if self._native(b, native):
             return Pending(index, b.owned_grad, dist.reduce_scatter_tensor(
                 b.owned_grad, self._padded(b, flat), group=b.group, async_op=True))
         return Pending(index, flat, dist.all_reduce(flat, group=b.group, async_op=True))
@@ -368,6 +379,14 @@ class ZeroShards:
         return [b.owned_grad[:b.span[1] - b.span[0]] for b in self._buckets]
 
     @staticmethod
+    def _native(b: _Owned, native: bool | None) -> bool:
+        """Whether bucket ``b`` runs the equal-segment collective (``native``, by
+        default on every backend but gloo) rather than an all-reduce: only where its
+        padding is cheap."""
+        return b.bucket.pads_cheaply and (
+            native if native is not None else dist.get_backend(b.group) != "gloo")
+
+    @staticmethod
     def _padded(b: _Owned, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` laid out as ``holders x segment_numel``, each segment padded."""
         bucket, size = b.bucket, b.bucket.segment_numel
@@ -393,25 +412,35 @@ class ZeroShards:
         for b in self._buckets:
             b.owned_grad.mul_(factor)
 
-    def copy_main_to_model(self) -> None:
+    def copy_main_to_model(self, native: bool | None = None) -> None:
         """All-gather every replica set's main parameters, rounded to the weights'
-        dtype, into the weights (after a step or a load)."""
+        dtype, into the weights (after a step or a load); ``native`` as in
+        ``start_gather``."""
         for index in reversed(range(len(self._buckets))):
-            self.finish_gather(self.start_gather(index))
+            self.finish_gather(self.start_gather(index, native))
 
     @torch.no_grad()
-    def start_gather(self, index: int) -> Pending:
+    def start_gather(self, index: int, native: bool | None = None) -> Pending:
         """Start the all-gather of bucket ``index``'s main parameters (asynchronous).
         Buckets are gathered in the reverse of their reduction order: the order a
-        forward pass needs them in."""
+        forward pass needs them in. ``native`` (default: on every backend but gloo)
+        runs ``all_gather_into_tensor`` on the padded segments where that pads
+        cheaply (``ShardBucket.pads_cheaply``); otherwise an all-reduce of the
+        whole buffer, zero but for each holder's own segment, gathers it: exactly
+        (each element is one holder's value plus zeros), in twice the buffer's bytes."""
         b = self._buckets[index]
-        size = b.bucket.segment_numel
-        mine = torch.zeros(size, dtype=b.weights[0].dtype, device=b.owned_grad.device)
         lo, hi = b.span
+        padded = b.group is None or self._native(b, native)
+        mine = torch.zeros(b.bucket.segment_numel if padded else b.bucket.numel,
+                           dtype=b.weights[0].dtype, device=b.owned_grad.device)
         if b.mains:
-            mine[:hi - lo].copy_(torch.cat([m.reshape(-1) for m in b.mains]))
+            start = 0 if padded else lo
+            mine[start:start + hi - lo].copy_(torch.cat([m.reshape(-1) for m in b.mains]))
         if b.group is None:
             return Pending(index, mine, None)
+        if not padded:
+            return Pending(index, mine, dist.all_reduce(mine, group=b.group, async_op=True))
+        size = b.bucket.segment_numel
         gathered = mine.new_empty(size * len(b.bucket.holders))
         return Pending(index, gathered,
                        dist.all_gather_into_tensor(gathered, mine, group=b.group, async_op=True))
@@ -423,6 +452,7 @@ class ZeroShards:
         flat = pending.flat
         if pending.work is not None:
             pending.work.wait()
+        if flat.numel() != b.bucket.numel:  # padded segments, gathered
             size = b.bucket.segment_numel
             flat = torch.cat([flat[i * size:i * size + e - a]
                               for i, (a, e) in enumerate(zip(b.bucket.cuts, b.bucket.cuts[1:]))])

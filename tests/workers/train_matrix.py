@@ -197,9 +197,16 @@ def check_native_reduce(runner, out: Path) -> None:
     native = optimizer.owned_grads()
     flat_e = torch.cat([g.reshape(-1) for g in emulated])
     flat_n = torch.cat([g.reshape(-1) for g in native])
+    weights = [p.data for p in runner.model.parameters()]
+    optimizer.copy_main_to_model(native=False)
+    reduced = [w.clone() for w in weights]
+    for w in weights:
+        w.fill_(float("nan"))  # a weight the gather below missed stays NaN
+    optimizer.copy_main_to_model(native=True)
     report = {"elements": flat_e.numel(), "differing": int((flat_e != flat_n).sum()),
               "max_abs_diff": float((flat_e - flat_n).abs().max()),
-              "max_abs": float(flat_e.abs().max())}
+              "max_abs": float(flat_e.abs().max()),
+              "gathered_alike": all(torch.equal(a, b) for a, b in zip(reduced, weights))}
     (out / f"native.rank{dist.get_rank()}.json").write_text(json.dumps(report))
 
 
