@@ -20,7 +20,10 @@ scattered over the nodes. Per case:
 
 * **save** under the uniform layout and under each failure layout: ``writer.plan_save``
   (the owners' plans, the holders' writers and metadata creators, each member's check
-  of its cells) and the finish (the coordinator's manifest);
+  of its cells) and the finish (the coordinator's manifest); with ``--zero1`` as the
+  trainer saves ZeRO-1's state (``Replicas(disjoint=True, grid=...)``): each rank's
+  own plan (``plan.plan_disjoint``), the entries to the coordinator, and how evenly
+  the ranks own the state (``segment_balance``, ``owning_ranks``);
 * **load** of the uniform layout's checkpoint under each failure layout: with the
   layout's replica classes (``parallel.shards.replica_classes``, as the trainer
   passes them to its saves and loads without ZeRO-1; built once per layout, its CPU
@@ -441,7 +444,8 @@ def disjoint_save_case(recipe: Recipe, layout: Layout, state: Zero1State) -> dic
             "tensors": len(entries), "files": files + len(entries) + 2,
             "writer_balance": max(writers_bytes) / statistics.mean(writers_bytes),
             "segment_balance": max(owned) / statistics.mean(owned),
-            "segment_max_bytes": 4 * max(owned), "segment_mean_bytes": 4 * statistics.mean(owned),
+            "segment_max_bytes": 4 * max(owned),
+            "segment_mean_bytes": 4 * statistics.mean(owned),
             "owning_ranks": sum(1 for n in owned if n),
             "bytes": sum(e.nbytes for e in entries.values())}
 
@@ -802,7 +806,7 @@ def main() -> int:
     parser.add_argument("--no-replicas", action="store_true",
                         help="plan as without the layout's replica classes (one owner per "
                              "tensor hearing from every holder; with --zero1, the loads "
-                             "without disjoint)")
+                             "without disjoint and the saves without the grid)")
     parser.add_argument("--zero1", action="store_true",
                         help="the state under the distributed optimizer (the recipes' "
                              "distributed_optimizer: true): each rank holds its own rows "
