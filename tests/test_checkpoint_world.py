@@ -155,6 +155,7 @@ def test_a_disjoint_save_with_a_grid_writes_the_replicated_files_through_no_owne
     for report in world["ranks"]:
         save = report["disjoint_save"]
         assert save["mismatches"] == [] and save["entries_match"], save
+        assert save["async_mismatches"] == [], save
         assert save["all_to_all"] == 2, save
     # a piece of each split tensor on every rank, the replicated one on rank 0
     assert [r["disjoint_save"]["held"] for r in world["ranks"]] == [5, 4, 4, 4]
@@ -163,10 +164,12 @@ def test_a_disjoint_save_with_a_grid_writes_the_replicated_files_through_no_owne
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case, expected", [
     ("off the files", "is not a union of its files"),
-    ("a file twice", "write it twice"), ("files never written", "unwritten")])
+    ("a file twice", "write it twice"), ("files never written", "unwritten"),
+    ("async files never written", "unwritten")])
 def test_a_wrong_disjoint_claim_fails_the_save_on_every_rank(world, case, expected):
     """Disjoint shards cut off the grid's files, or that overlap or leave a gap: the
-    save raises ``CheckpointError`` on every rank before its manifest is written."""
+    save raises ``CheckpointError`` on every rank before its manifest is written (an
+    asynchronous save's gap at the wait for it)."""
     for report in world["ranks"]:
         assert expected in report["disjoint_save"][case], (report["rank"], case)
 

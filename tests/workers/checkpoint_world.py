@@ -284,6 +284,20 @@ def disjoint_saves(root: str, rank: int, policy) -> dict:
     out = dict(all_to_all=len(calls), mismatches=bad, held=len(shards),
                entries_match=ck.open(f"{root}/disjoint").manifest.tensors
                == ck.open(f"{root}/world").manifest.tensors)
+    # the trainer's saves are asynchronous: the same plan through CheckpointManager,
+    # the files' count checked by the coordinator after the others' done markers
+    saver = ck.CheckpointManager(f"{root}/disjoint-async", chunking=policy,
+                                 policy=ck.SavePolicy(asynchronous=True, on_error="stop"),
+                                 replicas=Replicas(disjoint=True, grid=grid))
+    saver.save(7, shards, {})
+    saver.close()
+    out["async_mismatches"] = single_process_read(f"{root}/disjoint-async", whole)[0]
+    saver.save(8, [] if rank == 3 else shards, {})
+    try:
+        saver.close()
+        out["async files never written"] = "saved"
+    except ck.CheckpointError as exc:
+        out["async files never written"] = str(exc)
     others = grid_boxes((rank + 1) % 4, policy)[0]
     for name, wrong in (("off the files", grid_boxes(rank, policy, shift=1)[0]),
                         ("a file twice", shards + (others if rank == 1 else [])),
