@@ -24,15 +24,18 @@ Each step, per replica set in one global order (overlapping groups cannot deadlo
    ``GradientSynchronizer``: other TP replicas of the same stage add zeros), each
    holder receives the sum over its segment. Sets inside one stage (TP replicas,
    identical gradients) keep their own segment without communication. On NCCL the
-   buffer is padded to ``holders x longest segment`` for ``reduce_scatter_tensor``;
-   on gloo it is all-reduced whole and each holder keeps its segment, which sums in
-   the unsharded run's order (see ``DistributedOptimizer.reduce``).
+   buffer is padded to ``holders x longest segment`` for ``reduce_scatter_tensor``
+   where that is at most twice the buffer (``ShardBucket.pads_cheaply``); on gloo,
+   and where padding costs more, it is all-reduced whole and each holder keeps its
+   segment, which sums in the unsharded run's order (see ``ZeroShards.reduce``).
 2. **Norm**: every element is owned by exactly one rank; float64 sums of the owned
    gradients, all-reduced over the active ranks (the sum runs in another order than
    the unsharded norm's, in float64).
 3. **AdamW** on the fp32 main parameters of the owned segment only, with their moments.
 4. **All-gather** the updated parameters, rounded to the model's dtype, into every
-   holder's weights (``all_gather_into_tensor``).
+   holder's weights (``all_gather_into_tensor`` of the padded segments on NCCL where
+   that pads cheaply; otherwise an all-reduce of the buffer, zero but for each
+   holder's segment: ``ZeroShards.start_gather``).
 
 Optimizer state per rank: 12 bytes (fp32 main parameter and two moments) per owned
 element, i.e. about 12 bytes per parameter divided by its replica count.
