@@ -83,6 +83,33 @@ def test_simulated_zero1_shards_are_the_distributed_optimizers(world):
     assert held == sum(math.prod(shape) for shape in shapes.values())
 
 
+@pytest.mark.timeout(TIMEOUT)
+def test_zero1_saves_the_files_of_the_replicated_state(world):
+    """ZeRO-1 cuts its segments at the file rows of an unsharded save
+    (``distributed_optimizer.file_rows``) and saves with the layout's grid
+    (``runtime.state.state_replicas``): its checkpoint has the replicated state's
+    entries (the same files, however many replicas share a tensor), and every
+    simulated rank's rows are whole files of them."""
+    from elastor_mcore import checkpoint
+    from elastor_mcore.geometry import grid_cut
+
+    entries = checkpoint.open(world / "saved").manifest.tensors
+    assert checkpoint.open(world / "saved-zero1").manifest.tensors == entries
+    layout = load_layout(world / "permuted.yaml", RECIPE)
+    from tools import bench_scale
+
+    state = bench_scale.state_of(RECIPE, layout, zero1=True)
+    files = 0
+    for rank in layout.ranks:
+        for info in state(rank):
+            shard = entries[info.key].shard
+            for box in grid_cut(info.box, shard):
+                assert all(o % s == 0 and n == min(s, g - o) for o, n, s, g in zip(
+                    box.offset, box.shape, shard, info.global_shape)), (info, box)
+                files += 1
+    assert files == sum(entry.num_files for entry in entries.values())
+
+
 @pytest.mark.timeout(300)
 def test_bench_scale_runs(tmp_path):
     """The tool on its smallest world: every plan, counted and timed."""
@@ -102,3 +129,15 @@ def test_bench_scale_runs(tmp_path):
         for flag in ("--table", "--planner-table")}
     assert f"| 64 | lost 1 | {failure['save']['ranks']} | " in tables["--table"]
     assert f"| llama3-8b | 64 | 1 | {failure['planner']['cpu_s']:.3f} | " in tables["--planner-table"]
+    zero1 = tmp_path / "zero1.json"
+    subprocess.run([sys.executable, str(REPO / "tools/bench_scale.py"), "--models",
+                    "llama3-8b", "--worlds", "64", "--lost", "1", "--samples", "1", "--only",
+                    "save", "--zero1", "--out", str(zero1)], check=True, cwd=REPO,
+                   capture_output=True)
+    [row] = json.loads(zero1.read_text())["rows"]
+    [sharded] = row["failures"]
+    # ZeRO-1's save: its own plan per rank and the entries to the coordinator, in the
+    # replicated state's files
+    assert sharded["save"]["job_wide_steps"] == 2 and sharded["save"]["job_wide_calls"] == 4
+    assert sharded["save"]["files"] == failure["save"]["files"]
+    assert sharded["save"]["owning_ranks"] <= sharded["save"]["ranks"]

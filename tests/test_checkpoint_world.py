@@ -147,6 +147,34 @@ def test_a_disjoint_load_reads_its_own_bytes_through_no_owner(world):
 
 
 @pytest.mark.timeout(300)
+def test_a_disjoint_save_with_a_grid_writes_the_replicated_files_through_no_owner(world):
+    """``Replicas(disjoint=True, grid=...)``, as the trainer saves ZeRO-1's state: the
+    step reads back bit for bit, with the entries (files) of the replicated save of
+    the same quarters, and its plan is one exchange (2 ``all_to_all_single``: the
+    entries to the coordinator), no owner hearing from every holder."""
+    for report in world["ranks"]:
+        save = report["disjoint_save"]
+        assert save["mismatches"] == [] and save["entries_match"], save
+        assert save["async_mismatches"] == [], save
+        assert save["all_to_all"] == 2, save
+    # a piece of each split tensor on every rank, the replicated one on rank 0
+    assert [r["disjoint_save"]["held"] for r in world["ranks"]] == [5, 4, 4, 4]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case, expected", [
+    ("off the files", "is not a union of its files"),
+    ("a file twice", "write it twice"), ("files never written", "unwritten"),
+    ("async files never written", "unwritten")])
+def test_a_wrong_disjoint_claim_fails_the_save_on_every_rank(world, case, expected):
+    """Disjoint shards cut off the grid's files, or that overlap or leave a gap: the
+    save raises ``CheckpointError`` on every rank before its manifest is written (an
+    asynchronous save's gap at the wait for it)."""
+    for report in world["ranks"]:
+        assert expected in report["disjoint_save"][case], (report["rank"], case)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["false class", "classes differ between ranks"])
 def test_a_wrong_replica_class_fails_on_every_rank(world, case):
     """Members that hold different boxes, or ranks that pass different classes: the

@@ -174,6 +174,10 @@ def test_native_reduce_scatter_matches_the_emulation_to_rounding(world):
           f"owned elements differ from the all-reduce emulation, by at most {worst:.1e} "
           f"of the largest gradient")
     assert worst <= 1e-6
+    # the weights' gather: all_gather_into_tensor of the padded segments (NCCL's) and
+    # the all-reduce of the zero-filled buffer (gloo's, and where padding costs more)
+    # write the same bits
+    assert all(r["gathered_alike"] for r in reports)
 
 
 def scheduled_lrs() -> list[float]:
@@ -245,3 +249,12 @@ def test_row_cuts_are_as_even_as_rows_and_chunks_allow():
     assert not one_pipeline.reduces and one_pipeline.cuts == (0, 3, 6, 10)
     offset_cell = [Cell("c", Box((8, 0), (8, 2)), (0, 1))]  # global rows 8..15
     assert row_cuts(offset_cell, 2, [4]) == (0, 8, 16)
+    # padding to equal segments: 3 x 17 of 45 elements is cheap; one whole file over
+    # three holders (3 x 16 of 16) is not, and an all-reduce replaces the padded
+    # collectives
+    assert bucket.pads_cheaply
+    whole, = shard_buckets(offset_cell * 1, lambda holders: 2, {"c": 8})
+    assert whole.cuts == (0, 0, 16) and whole.pads_cheaply  # two holders always are
+    three = [Cell("c", Box((8, 0), (8, 2)), (0, 1, 2))]
+    lopsided, = shard_buckets(three, lambda holders: 3, {"c": 8})
+    assert lopsided.cuts == (0, 0, 16, 16) and not lopsided.pads_cheaply

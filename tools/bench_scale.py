@@ -20,7 +20,10 @@ scattered over the nodes. Per case:
 
 * **save** under the uniform layout and under each failure layout: ``writer.plan_save``
   (the owners' plans, the holders' writers and metadata creators, each member's check
-  of its cells) and the finish (the coordinator's manifest);
+  of its cells) and the finish (the coordinator's manifest); with ``--zero1`` as the
+  trainer saves ZeRO-1's state (``Replicas(disjoint=True, grid=...)``): each rank's
+  own plan (``plan.plan_disjoint``), the entries to the coordinator, and how evenly
+  the ranks own the state (``segment_balance``, ``owning_ranks``);
 * **load** of the uniform layout's checkpoint under each failure layout: with the
   layout's replica classes (``parallel.shards.replica_classes``, as the trainer
   passes them to its saves and loads without ZeRO-1; built once per layout, its CPU
@@ -54,6 +57,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import itertools
 import json
 import pickle
 import statistics
@@ -72,8 +76,8 @@ from elastor_mcore.checkpoint import comm  # noqa: E402
 from elastor_mcore.checkpoint import reader  # noqa: E402
 from elastor_mcore.checkpoint.format import DTYPE_ITEMSIZE, Manifest  # noqa: E402
 from elastor_mcore.checkpoint.plan import (  # noqa: E402
-    NO_REPLICAS, LocalShard, Replicas, WritePlan, held_bytes, merge, plan_owned, plan_tensors,
-    route)
+    NO_REPLICAS, LocalShard, Replicas, WritePlan, held_bytes, merge, plan_disjoint, plan_owned,
+    plan_tensors, route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
 from elastor_mcore.geometry import ShardInfo, common_refinement  # noqa: E402
@@ -83,7 +87,7 @@ from elastor_mcore.parallel.holders import (  # noqa: E402
 from elastor_mcore.parallel.shards import (  # noqa: E402
     ADAM_STATE_PREFIXES, layout_shard_infos, replica_classes, stage_tensors)
 from elastor_mcore.planner import PlannerError, load_hardware, plan  # noqa: E402
-from elastor_mcore.runtime.distributed_optimizer import rank_buckets  # noqa: E402
+from elastor_mcore.runtime.distributed_optimizer import file_cuts, rank_buckets  # noqa: E402
 from elastor_mcore.runtime.grad_sync import reduction_plan, spans_stages  # noqa: E402
 from elastor_mcore.runtime.state import chunk_policy  # noqa: E402
 
@@ -253,32 +257,47 @@ def state_of(recipe: Recipe, layout: Layout, zero1: bool = False) -> State:
     """Each rank's training state as ``runtime.state.state_shards`` checkpoints it:
     the fp32 main weights and AdamW's two moments of its stage's ShardedTensors
     (``layout_shard_infos``, replicated over data parallelism); under ZeRO-1 only the
-    rows of them its ``ShardPlan`` owns (``distributed_optimizer.rank_buckets`` of its
-    cells, ``parallel.holders``: every element of the job held by one rank), derived
-    once per replica class, whose members hold the same cells and cut the same
-    buckets."""
+    rows of them its ``ShardPlan`` owns (``Zero1State``)."""
     if not zero1:
         return functools.partial(layout_shard_infos, recipe.model, layout)
-    placement, policy = Placement(layout), chunk_policy(recipe)
-    first = {r: members[0] for members in replica_classes(layout) for r in members}
-    buckets: dict[int, tuple[dict, list]] = {}
+    return Zero1State(recipe, layout)
+
+
+class Zero1State:
+    """Each rank's ZeRO-1 state: the rows its ``ShardPlan`` owns
+    (``distributed_optimizer.rank_buckets`` of its cells, ``parallel.holders``: every
+    element of the job held by one rank), and the file grid of its tensors that its
+    saves pass (``Replicas.grid``, ``runtime.state.state_replicas``); derived once per
+    replica class, whose members hold the same cells and cut the same buckets."""
+
+    def __init__(self, recipe: Recipe, layout: Layout) -> None:
+        self.recipe, self.layout = recipe, layout
+        self.placement, self.policy = Placement(layout), chunk_policy(recipe)
+        self.first = {r: members[0] for members in replica_classes(layout) for r in members}
 
     @functools.cache
-    def owned(rank: int) -> list[ShardInfo]:
-        if rank not in first:
+    def _lead(self, lead: int) -> tuple[dict, list, dict]:
+        tensors = model_tensors(self.recipe, self.layout, lead)
+        cells, sets = rank_cells(self.placement, lead, tensors, False)
+        shapes = {t.info.key: t.info.global_shape for t in tensors}
+        grid = {prefix + key: cuts for key, cuts in file_cuts(cells, shapes).items()
+                for prefix in ADAM_STATE_PREFIXES}
+        return shapes, rank_buckets(cells, shapes, lambda h: sets[h].stages, lead,
+                                    self.policy), grid
+
+    @functools.cache
+    def __call__(self, rank: int) -> list[ShardInfo]:
+        if rank not in self.first:
             return []
-        lead = first[rank]
-        if lead not in buckets:
-            tensors = model_tensors(recipe, layout, lead)
-            cells, sets = rank_cells(placement, lead, tensors, False)
-            shapes = {t.info.key: t.info.global_shape for t in tensors}
-            buckets[lead] = shapes, rank_buckets(cells, shapes, lambda h: sets[h].stages,
-                                                 lead, policy)
-        shapes, mine = buckets[lead]
+        shapes, mine, _ = self._lead(self.first[rank])
         return sorted((ShardInfo(prefix + f.cell.key, shapes[f.cell.key], f.box, "float32")
                        for bucket in mine for f in bucket.fragments(rank)
                        for prefix in ADAM_STATE_PREFIXES), key=lambda info: info.key)
-    return owned
+
+    def replicas(self, rank: int) -> Replicas:
+        """What ``rank`` passes its saves and loads."""
+        grid = self._lead(self.first[rank])[2] if rank in self.first else {}
+        return Replicas(disjoint=True, grid=grid)
 
 
 def page_cache(rank: int) -> str:
@@ -383,6 +402,52 @@ def save_case(recipe: Recipe, layout: Layout, state: State,
             "tensors": len(whole.entries), "files": len(whole.units) + len(whole.entries) + 2,
             "writer_balance": max(writers_bytes) / statistics.mean(writers_bytes),
             "bytes": sum(e.nbytes for e in whole.entries.values())}
+
+
+def disjoint_save_case(recipe: Recipe, layout: Layout, state: Zero1State) -> dict[str, Any]:
+    """``writer.plan_save`` of disjoint state with its grid (ZeRO-1, as the trainer
+    saves it), then the finish, every rank simulated: each rank's own plan
+    (``plan.plan_disjoint``) and its entries to the coordinator, which merges them.
+    ``segment_balance``: the most elements a rank owns over the mean."""
+    ranks = list(layout.ranks)
+    policy, coordinator = chunk_policy(recipe), layout.ranks[0]
+    sim, clock = SimComm(ranks), RankClock()
+    outbox: dict[int, dict[int, bytes]] = {}
+    files, wrote, owned, written = 0, 0, [], []
+    for rank in ranks:
+        infos, grid = state(rank), state.replicas(rank).grid
+
+        def local():
+            plan = plan_disjoint(rank, infos, policy, grid)
+            created = {key: plan.entries[key] for key in plan.creates}
+            return plan, comm.pickled({coordinator: created} if created else {})
+        plan, routed = clock.run(rank, local)
+        assert plan.mismatch is None, (rank, plan.mismatch)
+        for dest, blob in routed.items():
+            outbox.setdefault(dest, {})[rank] = blob
+        files += len(plan.units)
+        wrote += bool(plan.units)
+        owned.append(sum(i.box.numel for i in infos))
+        written.append(sum(u.nbytes for u in plan.units))
+    sim.exchange("plan", outbox)
+    received = receive(clock, coordinator, outbox.pop(coordinator, {}))
+    entries = clock.run(coordinator, lambda: dict(sorted(itertools.chain(
+        *(e.items() for e in received.values())))))
+    sim.all_reduce("finish", 24)
+    manifest_s, text = cpu(lambda: Manifest.build(
+        0, entries, wrote, {"layout": layout.to_dict()}).to_json())
+    sim.broadcast("finish", None)
+    assert files == sum(e.num_files for e in entries.values()), "a file written twice or never"
+    writers_bytes = [n for n in written if n]
+    return {"ranks": len(ranks), **clock.summary(), **sim.summary(),
+            "columns": 1, "coordinator_manifest_s": manifest_s, "manifest_bytes": len(text),
+            "tensors": len(entries), "files": files + len(entries) + 2,
+            "writer_balance": max(writers_bytes) / statistics.mean(writers_bytes),
+            "segment_balance": max(owned) / statistics.mean(owned),
+            "segment_max_bytes": 4 * max(owned),
+            "segment_mean_bytes": 4 * statistics.mean(owned),
+            "owning_ranks": sum(1 for n in owned if n),
+            "bytes": sum(e.nbytes for e in entries.values())}
 
 
 def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any],
@@ -585,8 +650,11 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                                    "uniform": layout.describe()[:80]}
             entries: dict[str, Any] = {}
             if {"uniform", "save"} <= only:
-                row["save_uniform"] = save_case(recipe, layout, state_of(recipe, layout, zero1),
-                                                replicas_of(layout, replicated, zero1))
+                state = state_of(recipe, layout, zero1)
+                row["save_uniform"] = (disjoint_save_case(recipe, layout, state)
+                                       if zero1 and replicated
+                                       else save_case(recipe, layout, state,
+                                                      replicas_of(layout, replicated, zero1)))
                 report(name, world, "save uniform", row["save_uniform"])
             if {"uniform", "grad"} <= only:
                 row["grad_uniform"] = grad_case(recipe, layout, samples)
@@ -602,7 +670,9 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                     case["replicas_s"] = replicas_s
                     state = state_of(recipe, hetero, zero1)
                     if "save" in only:
-                        case["save"] = save_case(recipe, hetero, state, replicas)
+                        case["save"] = (disjoint_save_case(recipe, hetero, state)
+                                        if zero1 and replicated
+                                        else save_case(recipe, hetero, state, replicas))
                         report(name, world, f"save lost {k}", case["save"])
                     if "load" in only:
                         entries = entries or saved_entries(
@@ -736,7 +806,7 @@ def main() -> int:
     parser.add_argument("--no-replicas", action="store_true",
                         help="plan as without the layout's replica classes (one owner per "
                              "tensor hearing from every holder; with --zero1, the loads "
-                             "without disjoint)")
+                             "without disjoint and the saves without the grid)")
     parser.add_argument("--zero1", action="store_true",
                         help="the state under the distributed optimizer (the recipes' "
                              "distributed_optimizer: true): each rank holds its own rows "

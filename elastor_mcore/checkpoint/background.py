@@ -111,21 +111,21 @@ class BackgroundSave:
             others = sorted(set(job.ranks) - {job.rank})
             own_s = time.perf_counter() - start
             wait_for_markers(job.tmp, others, job.commit_timeout_s(own_s))
-            writers = bool(job.sources) + sum(_wrote(job.tmp, rank) for rank in others)
+            wrote = [len(job.sources), *(_wrote(job.tmp, rank) for rank in others)]
             for rank in others:
                 done_marker(job.tmp, rank).unlink()
             commit(job.tmp, job.path, job.step, job.plan, job.manifest_extra, job.on_commit,
-                   writers)
+                   sum(map(bool, wrote)), sum(wrote))
             log.info("step %d committed in the background %.3fs after the save began",
                      job.step, time.perf_counter() - start)
         except BaseException as exc:
             self.error = exc
 
 
-def _wrote(tmp: Location, rank: int) -> bool:
-    """Whether ``rank``'s done marker says it wrote files."""
+def _wrote(tmp: Location, rank: int) -> int:
+    """How many files ``rank``'s done marker says it wrote."""
     _, units = done_marker(tmp, rank).read_text().split()
-    return int(units) > 0
+    return int(units)
 
 
 def _mark_failed(tmp: Location, rank: int, exc: BaseException) -> None:

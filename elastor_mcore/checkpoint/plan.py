@@ -31,7 +31,7 @@ import itertools
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -165,16 +165,27 @@ class Replicas:
     ``disjoint``: no two ranks hold the same bytes (ZeRO-1's state, each element's
     optimizer state on one rank): a load's ranks each read their own targets from
     storage, with no owner planning their reads (a load stays right if some bytes are
-    shared after all: storage then serves them once per rank that holds them)."""
+    shared after all: storage then serves them once per rank that holds them).
+
+    ``grid`` (with ``disjoint``): per tensor this rank holds, the cut points along each
+    dim (0 and the extent included) of the boxes its layout holds it in unsharded,
+    the same on every rank that holds it: a save then plans nothing across ranks
+    (``plan_disjoint``), each rank writing its own shards in the files
+    ``format.choose_entry`` gives for these cuts, which its shards must be unions
+    of (ZeRO-1 cuts its segments there: ``runtime.distributed_optimizer.file_rows``)."""
 
     classes: tuple[tuple[int, ...], ...] = ()
     disjoint: bool = False
+    grid: Mapping[str, Sequence[Sequence[int]]] | None = None
 
     def __post_init__(self) -> None:
         if self.disjoint and self.classes:
             raise CheckpointError(
                 "replicas: disjoint state has no replica classes; pass either the "
                 "classes (replicated state) or disjoint=True (ZeRO-1), not both")
+        if self.grid is not None and not self.disjoint:
+            raise CheckpointError(
+                "replicas: a grid describes disjoint state; pass disjoint=True with it")
         seen: set[int] = set()
         for members in self.classes:
             if not members or list(members) != sorted(set(members)) or seen & set(members):
@@ -447,6 +458,39 @@ def build_plan(infos_by_rank: dict[int, Sequence[ShardInfo]], policy: ChunkPolic
     units = [WriteUnit(u.key, u.box, u.holders, u.nbytes, writers[u.key, u.box.offset])
              for u in file_units(entries, cells)]
     plan = WritePlan(entries, units)
+    plan.creates = tuple(sorted(metadata_creators(plan)))
+    return plan
+
+
+def plan_disjoint(rank: int, infos: Sequence[ShardInfo], policy: ChunkPolicy,
+                  grid: Mapping[str, Sequence[Sequence[int]]]) -> WritePlan:
+    """This rank's plan of a save of disjoint state (``Replicas.grid``), from its own
+    shards alone: each tensor's entry from the grid's cuts (what an unsharded save of
+    the layout chooses), every file of its shards its own to write, the metadata of
+    the arrays whose first file it writes. ``WritePlan.mismatch`` says where a shard
+    is not a union of its tensor's files (two ranks would write one file) or the grid
+    lacks a tensor."""
+    entries: dict[str, TensorEntry] = {}
+    units: list[WriteUnit] = []
+    mismatch = None
+    for info in infos:
+        cuts = grid.get(info.key)
+        if cuts is None:
+            mismatch = mismatch or (f"tensor {info.key}: not in the replicas' grid; build "
+                                    f"it from the cells of every tensor this rank saves")
+            continue
+        entry = entries.setdefault(info.key, choose_entry(info.global_shape, info.dtype,
+                                                          cuts, policy))
+        if any(lo % s or (hi % s and hi != n) for lo, hi, s, n in zip(
+                info.box.offset, info.box.end, entry.shard, entry.shape)):
+            mismatch = mismatch or (
+                f"tensor {info.key}: box {info.box} is not a union of its files "
+                f"{entry.shard}; disjoint shards must be cut at the grid's file "
+                f"boundaries")
+        units += [WriteUnit(info.key, box, (), box.numel * DTYPE_ITEMSIZE[info.dtype], rank)
+                  for box in grid_cut(info.box, entry.shard)]
+    units.sort(key=lambda u: (u.key, u.box.offset))
+    plan = WritePlan(dict(sorted(entries.items())), units, mismatch=mismatch)
     plan.creates = tuple(sorted(metadata_creators(plan)))
     return plan
 

@@ -22,6 +22,7 @@ background thread.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -37,7 +38,8 @@ from elastor_mcore.checkpoint.format import (
     committed_steps, parse_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.plan import (
-    NO_REPLICAS, LocalShard, Replicas, WritePlan, WriteUnit, held_bytes, merge, plan_owned, route)
+    NO_REPLICAS, LocalShard, Replicas, WritePlan, WriteUnit, held_bytes, merge, plan_disjoint,
+    plan_owned, route)
 from elastor_mcore.checkpoint.storage import MANIFEST, TMP_PREFIX, Location, as_path, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import ShardInfo, local_view
@@ -119,14 +121,14 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
         write_share(tmp, plan, plan_sources(plan, shards), coordinator)
     except Exception as exc:
         error = exc
-    failed, writers = ranks.sum([error is not None, bool(plan.units)])
+    failed, writers, files = ranks.sum([error is not None, bool(plan.units), len(plan.units)])
     if failed:
         comm.check([m for m, in ranks.messages(error)], what, error)
 
     error = None
     if coordinator:
         try:
-            commit(tmp, path, step, plan, manifest_extra, on_commit, writers)
+            commit(tmp, path, step, plan, manifest_extra, on_commit, writers, files)
         except Exception as exc:
             error = exc
     comm.check([ranks.broadcast(comm.describe(error))], what, error)
@@ -142,7 +144,19 @@ def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy,
     (``plan.plan_tensors``) and sends every holder its cells, and the holders cut
     them into files and choose their writers (``plan.merge``), checking the cells
     against their own shards (``WritePlan.mismatch``). Two sparse exchanges;
-    ``error`` (this rank's, before planning) fails the save on every rank."""
+    ``error`` (this rank's, before planning) fails the save on every rank.
+
+    Disjoint state with a grid (``Replicas.grid``: ZeRO-1) needs no owner: each rank
+    plans its own shards (``plan.plan_disjoint``) and one sparse exchange brings the
+    coordinator the entries of the arrays, from the ranks that create them."""
+    if replicas.grid is not None:
+        plan = plan_disjoint(ranks.rank, infos, policy, replicas.grid)
+        created = {key: plan.entries[key] for key in plan.creates}
+        received = ranks.exchange({ranks.coordinator: created} if created else {}, what, error)
+        if ranks.is_coordinator:
+            plan.entries = dict(sorted(
+                itertools.chain(plan.entries.items(), *(e.items() for e in received.values()))))
+        return plan
     try:
         replicas.check(ranks.ranks)
     except CheckpointError as exc:
@@ -232,9 +246,19 @@ def write_share(tmp: Location, plan: WritePlan, sources: Sources,
 
 def commit(tmp: Location, path: Location, step: int, plan: WritePlan,
            manifest_extra: dict[str, Any] | None,
-           on_commit: Callable[[], None] | None, writers: int) -> None:
+           on_commit: Callable[[], None] | None, writers: int, files: int) -> None:
     """Coordinator, once every rank's data is durable (``writers`` of them wrote
-    files): the backend's commit (manifest last), then ``on_commit``."""
+    ``files`` files in all): the backend's commit (manifest last), then
+    ``on_commit``. Every plan writes each file of every array once; a count that
+    differs (shards that leave a gap, or claimed disjoint and overlapping) fails the
+    save before the manifest is written."""
+    expected = sum(entry.num_files for entry in plan.entries.values())
+    if files != expected:
+        raise CheckpointError(
+            f"the ranks wrote {files} files where the arrays of {tmp.name} have "
+            f"{expected}: the saving ranks' shards leave part of a tensor unwritten or "
+            f"write it twice (with Replicas(disjoint=True), check that no two ranks hold "
+            f"the same elements and that together they hold every tensor)")
     storage_for(path).commit_dir(
         tmp, path, Manifest.build(step, plan.entries, writers, manifest_extra).to_json())
     if on_commit is not None:

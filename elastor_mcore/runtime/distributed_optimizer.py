@@ -9,9 +9,14 @@ in the order gradient reduction uses (``grad_sync``); the buffer is cut into one
 contiguous segment per holder, at row boundaries (dim 0) of its cells so that every
 owned part of a cell is a box of the global tensor: it is checkpointed as such, in
 global coordinates, and any layout, sharded or not, loads it. Cuts fall only on the
-checkpoint's inner-chunk boundaries (``chunk_rows``), so a sharded save writes the
-same chunks as an unsharded one; segments are as even as that allows (within one
-chunk of ``numel / holders`` per cut; norms and other small tensors may stay whole).
+file boundaries of an unsharded save of the same layout (``file_rows``), so a ZeRO-1
+save writes the files the replicated state's would, as many at any data parallelism,
+each from one owner, and every rank knows the file grid of its tensors from the
+layout alone (``file_cuts``; the save plans nothing across ranks,
+``checkpoint.Replicas.grid``). The price is balance: segments are as even as whole
+files allow (within one file of ``numel / holders`` per cut, a holder may own nothing
+where a replica set has fewer files than holders; norms and other small tensors stay
+whole).
 
 Each step, per replica set in one global order (overlapping groups cannot deadlock):
 
@@ -19,15 +24,18 @@ Each step, per replica set in one global order (overlapping groups cannot deadlo
    ``GradientSynchronizer``: other TP replicas of the same stage add zeros), each
    holder receives the sum over its segment. Sets inside one stage (TP replicas,
    identical gradients) keep their own segment without communication. On NCCL the
-   buffer is padded to ``holders x longest segment`` for ``reduce_scatter_tensor``;
-   on gloo it is all-reduced whole and each holder keeps its segment, which sums in
-   the unsharded run's order (see ``DistributedOptimizer.reduce``).
+   buffer is padded to ``holders x longest segment`` for ``reduce_scatter_tensor``
+   where that is at most twice the buffer (``ShardBucket.pads_cheaply``); on gloo,
+   and where padding costs more, it is all-reduced whole and each holder keeps its
+   segment, which sums in the unsharded run's order (see ``ZeroShards.reduce``).
 2. **Norm**: every element is owned by exactly one rank; float64 sums of the owned
    gradients, all-reduced over the active ranks (the sum runs in another order than
    the unsharded norm's, in float64).
 3. **AdamW** on the fp32 main parameters of the owned segment only, with their moments.
 4. **All-gather** the updated parameters, rounded to the model's dtype, into every
-   holder's weights (``all_gather_into_tensor``).
+   holder's weights (``all_gather_into_tensor`` of the padded segments on NCCL where
+   that pads cheaply; otherwise an all-reduce of the buffer, zero but for each
+   holder's segment: ``ZeroShards.start_gather``).
 
 Optimizer state per rank: 12 bytes (fp32 main parameter and two moments) per owned
 element, i.e. about 12 bytes per parameter divided by its replica count.
@@ -87,6 +95,16 @@ class ShardBucket:
     def segment_numel(self) -> int:
         """The longest segment: what each holder sends and receives, padded."""
         return max(b - a for a, b in zip(self.cuts, self.cuts[1:]))
+
+    @property
+    def pads_cheaply(self) -> bool:
+        """Whether the equal-segment collectives (``reduce_scatter_tensor``,
+        ``all_gather_into_tensor``, on ``holders x segment_numel``) move at most twice
+        the buffer: segments cut at whole files can be far from even (a replica set
+        with fewer files than holders: 8B's at 16,384 GPUs padded to 32 times its
+        size), and there an all-reduce of the buffer (twice its bytes, and no
+        larger) costs less than the padding."""
+        return self.segment_numel * len(self.holders) <= 2 * self.numel
 
     def segment(self, holder: int) -> tuple[int, int]:
         i = self.holders.index(holder)
@@ -153,18 +171,25 @@ def shard_buckets(cells: Sequence[Cell], stages: Callable[[tuple[int, ...]], int
             for holders, group in sorted(by_holders.items())]
 
 
-def chunk_rows(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
-               policy: ChunkPolicy) -> dict[str, int]:
-    """Per key, the dim-0 length of the inner chunks an unsharded save of these shards
-    writes (``checkpoint.format.choose_entry``): segments cut only there, so a sharded
-    save keeps every inner chunk whole (the same chunks, files never straddling two
-    owners) at the price of balance within one chunk per cut."""
+def file_cuts(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]]
+              ) -> dict[str, list[list[int]]]:
+    """Per key of ``cells``, the cut points of its holders' boxes along each dim: what
+    an unsharded save of the layout chooses its files from (``format.choose_entry``),
+    known to every holder of the key from the layout."""
     boxes: dict[str, list[Box]] = {}
     for cell in cells:
         boxes.setdefault(cell.key, []).append(cell.box)
-    return {key: choose_entry(shapes[key], "float32", boundaries(shapes[key], held),
-                              policy).chunks[0]
-            for key, held in boxes.items()}
+    return {key: boundaries(shapes[key], held) for key, held in boxes.items()}
+
+
+def file_rows(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
+              policy: ChunkPolicy) -> dict[str, int]:
+    """Per key, the dim-0 length of the files an unsharded save of these shards
+    writes (fp32, ``checkpoint.format.choose_entry``): segments cut only there, so a
+    sharded save writes the same files, each from one owner, however many holders
+    share a tensor, at the price of balance within one file per cut."""
+    return {key: choose_entry(shapes[key], "float32", cuts, policy).shard[0]
+            for key, cuts in file_cuts(cells, shapes).items()}
 
 
 def rank_buckets(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
@@ -174,7 +199,7 @@ def rank_buckets(cells: Sequence[Cell], shapes: dict[str, tuple[int, ...]],
     keys alone (no collective): what ``ShardPlan.build`` gives it, and what
     ``tools/bench_scale.py`` derives for a simulated rank's ZeRO-1 state."""
     return shard_buckets([c for c in cells if rank in c.holders], stages,
-                         chunk_rows(cells, shapes, chunking))
+                         file_rows(cells, shapes, chunking))
 
 
 def planned_state_bytes(buckets: Sequence[ShardBucket], rank: int) -> tuple[int, float]:
@@ -297,7 +322,8 @@ class ZeroShards:
         """Reduce-scatter every replica set's gradients into the owned segments.
 
         ``native`` (default: on every backend but gloo) runs ``reduce_scatter_tensor``
-        on the padded buffer; otherwise an all-reduce of the unpadded buffer, of
+        on the padded buffer where it pads cheaply (``ShardBucket.pads_cheaply``);
+        otherwise an all-reduce of the unpadded buffer, of
         which each holder keeps its segment: gloo then sums every element in the
         order the unsharded run's all-reduce does (its reduce-scatter of the padded
         buffer does not, measured: 1-ulp differences with three pipelines), so
@@ -328,7 +354,7 @@ class ZeroShards:
             return Pending(index, flat, None)
         if not b.contributes:
             flat.zero_()
-        if native if native is not None else dist.get_backend(b.group) != "gloo":
+        if self._native(b, native):
             return Pending(index, b.owned_grad, dist.reduce_scatter_tensor(
                 b.owned_grad, self._padded(b, flat), group=b.group, async_op=True))
         return Pending(index, flat, dist.all_reduce(flat, group=b.group, async_op=True))
@@ -356,6 +382,14 @@ class ZeroShards:
         return [b.owned_grad[:b.span[1] - b.span[0]] for b in self._buckets]
 
     @staticmethod
+    def _native(b: _Owned, native: bool | None) -> bool:
+        """Whether bucket ``b`` runs the equal-segment collective (``native``, by
+        default on every backend but gloo) rather than an all-reduce: only where its
+        padding is cheap."""
+        return b.bucket.pads_cheaply and (
+            native if native is not None else dist.get_backend(b.group) != "gloo")
+
+    @staticmethod
     def _padded(b: _Owned, flat: torch.Tensor) -> torch.Tensor:
         """``flat`` laid out as ``holders x segment_numel``, each segment padded."""
         bucket, size = b.bucket, b.bucket.segment_numel
@@ -381,25 +415,35 @@ class ZeroShards:
         for b in self._buckets:
             b.owned_grad.mul_(factor)
 
-    def copy_main_to_model(self) -> None:
+    def copy_main_to_model(self, native: bool | None = None) -> None:
         """All-gather every replica set's main parameters, rounded to the weights'
-        dtype, into the weights (after a step or a load)."""
+        dtype, into the weights (after a step or a load); ``native`` as in
+        ``start_gather``."""
         for index in reversed(range(len(self._buckets))):
-            self.finish_gather(self.start_gather(index))
+            self.finish_gather(self.start_gather(index, native))
 
     @torch.no_grad()
-    def start_gather(self, index: int) -> Pending:
+    def start_gather(self, index: int, native: bool | None = None) -> Pending:
         """Start the all-gather of bucket ``index``'s main parameters (asynchronous).
         Buckets are gathered in the reverse of their reduction order: the order a
-        forward pass needs them in."""
+        forward pass needs them in. ``native`` (default: on every backend but gloo)
+        runs ``all_gather_into_tensor`` on the padded segments where that pads
+        cheaply (``ShardBucket.pads_cheaply``); otherwise an all-reduce of the
+        whole buffer, zero but for each holder's own segment, gathers it: exactly
+        (each element is one holder's value plus zeros), in twice the buffer's bytes."""
         b = self._buckets[index]
-        size = b.bucket.segment_numel
-        mine = torch.zeros(size, dtype=b.weights[0].dtype, device=b.owned_grad.device)
         lo, hi = b.span
+        padded = b.group is None or self._native(b, native)
+        mine = torch.zeros(b.bucket.segment_numel if padded else b.bucket.numel,
+                           dtype=b.weights[0].dtype, device=b.owned_grad.device)
         if b.mains:
-            mine[:hi - lo].copy_(torch.cat([m.reshape(-1) for m in b.mains]))
+            start = 0 if padded else lo
+            mine[start:start + hi - lo].copy_(torch.cat([m.reshape(-1) for m in b.mains]))
         if b.group is None:
             return Pending(index, mine, None)
+        if not padded:
+            return Pending(index, mine, dist.all_reduce(mine, group=b.group, async_op=True))
+        size = b.bucket.segment_numel
         gathered = mine.new_empty(size * len(b.bucket.holders))
         return Pending(index, gathered,
                        dist.all_gather_into_tensor(gathered, mine, group=b.group, async_op=True))
@@ -411,6 +455,7 @@ class ZeroShards:
         flat = pending.flat
         if pending.work is not None:
             pending.work.wait()
+        if flat.numel() != b.bucket.numel:  # padded segments, gathered
             size = b.bucket.segment_numel
             flat = torch.cat([flat[i * size:i * size + e - a]
                               for i, (a, e) in enumerate(zip(b.bucket.cuts, b.bucket.cuts[1:]))])
@@ -431,6 +476,12 @@ class ZeroShards:
         shapes = self.plan.refinement.shapes
         return [LocalShard(f.cell.key, shapes[f.cell.key], f.box.offset, m)
                 for b in self._buckets for f, m in zip(b.fragments, b.mains)]
+
+    def file_grid(self) -> dict[str, list[list[int]]]:
+        """Per key of this rank's tensors, the cuts its checkpoint files are chosen
+        from (``file_cuts``): the grid a save of ``main_shards`` needs
+        (``checkpoint.Replicas.grid``), the segments being cut at its file rows."""
+        return file_cuts(self.plan.refinement.cells, self.plan.refinement.shapes)
 
     def expected_state_nbytes(self) -> float:
         """The formula: 12 bytes per parameter divided by its replica count."""

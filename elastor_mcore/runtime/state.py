@@ -28,7 +28,7 @@ from elastor_mcore.config.recipe import Recipe
 from elastor_mcore.config.data import DataConfig
 from elastor_mcore.data.prepare import fingerprint_change
 from elastor_mcore.parallel.shards import (
-    owning_parameter, replica_classes, sharded_tensors, view_like)
+    ADAM_STATE_PREFIXES, owning_parameter, replica_classes, sharded_tensors, view_like)
 from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer
 from elastor_mcore.runtime.optimizer import StageOptimizer
 
@@ -76,9 +76,12 @@ def state_replicas(layout: Layout,
     data-parallel replicas, so a save plans from one of them and a load's members
     share their class's reads (``checkpoint.Replicas``); under ZeRO-1 none, each
     element's state on one rank (``disjoint``: a load's ranks read their own, with no
-    owner planning their reads)."""
+    owner planning their reads, and a save's write their own in the files of the
+    layout's ``grid``, with no owner hearing from every holder)."""
     if isinstance(optimizer, DistributedOptimizer):
-        return checkpoint.Replicas(disjoint=True)
+        grid = optimizer.file_grid()
+        return checkpoint.Replicas(disjoint=True, grid={
+            prefix + key: cuts for key, cuts in grid.items() for prefix in ADAM_STATE_PREFIXES})
     return checkpoint.Replicas(replica_classes(layout))
 
 

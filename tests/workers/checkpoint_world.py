@@ -231,6 +231,86 @@ def disjoint_loads(root: str, rank: int) -> dict:
                 held=sum(t.data.numel() for t in targets))
 
 
+def grid_boxes(rank: int, policy, shift: int = 0) -> tuple[list, dict]:
+    """ZeRO-1-like state: each split tensor's dim cut unevenly among the ranks at the
+    file boundaries of the TP-4 quarters' save (``shift`` moves the inner cuts that
+    many elements off them), the replicated one on rank 0 only; and the grid every
+    rank passes (the quarters' cut points)."""
+    from elastor_mcore.checkpoint.format import choose_entry
+
+    shards, grid = [], {}
+    for key, (shape, dtype, dim) in TENSORS.items():
+        cuts = [[0, n] for n in shape]
+        if dim is not None:
+            cuts[dim] = sorted({a for bounds in split_bounds(shape[dim], 4) for a in bounds})
+        grid[key] = cuts
+        if dim is None:
+            shards += [piece(key, None, 0, 0)] if rank == 0 else []
+            continue
+        dtype_name = str(dtype).removeprefix("torch.")
+        file = choose_entry(shape, dtype_name, cuts, policy).shard[dim]
+        files = shape[dim] // file
+        ends = [0, *(min(files, f) * file + shift for f in (files // 4 + 1, files // 2 + 1,
+                                                            3 * files // 4)), shape[dim]]
+        shards.append(piece(key, dim, ends[rank], ends[rank + 1]))
+    return shards, grid
+
+
+def disjoint_saves(root: str, rank: int, policy) -> dict:
+    """Saves of disjoint state with a grid (``Replicas.grid``, as the trainer saves
+    ZeRO-1's): the ``all_to_all_single`` calls they make (one exchange: the entries to
+    the coordinator), what a single-process read finds, and the error of each wrong
+    claim (every rank must raise): shards cut off the files, a rank that also holds
+    another's shard (a file written twice), a rank that holds nothing (files never
+    written)."""
+    from elastor_mcore import checkpoint as ck
+    from elastor_mcore.checkpoint import Replicas
+
+    calls = []
+    real = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+    shards, grid = grid_boxes(rank, policy)
+    dist.all_to_all_single = counted
+    try:
+        ck.save(f"{root}/disjoint", 5, shards, {}, chunking=policy,
+                replicas=Replicas(disjoint=True, grid=grid))
+    finally:
+        dist.all_to_all_single = real
+    whole = [piece(key, None, 0, 0) for key in TENSORS]  # the truth, whole
+    bad, _ = single_process_read(f"{root}/disjoint", whole)
+    out = dict(all_to_all=len(calls), mismatches=bad, held=len(shards),
+               entries_match=ck.open(f"{root}/disjoint").manifest.tensors
+               == ck.open(f"{root}/world").manifest.tensors)
+    # the trainer's saves are asynchronous: the same plan through CheckpointManager,
+    # the files' count checked by the coordinator after the others' done markers
+    saver = ck.CheckpointManager(f"{root}/disjoint-async", chunking=policy,
+                                 policy=ck.SavePolicy(asynchronous=True, on_error="stop"),
+                                 replicas=Replicas(disjoint=True, grid=grid))
+    saver.save(7, shards, {})
+    saver.close()
+    out["async_mismatches"] = single_process_read(f"{root}/disjoint-async", whole)[0]
+    saver.save(8, [] if rank == 3 else shards, {})
+    try:
+        saver.close()
+        out["async files never written"] = "saved"
+    except ck.CheckpointError as exc:
+        out["async files never written"] = str(exc)
+    others = grid_boxes((rank + 1) % 4, policy)[0]
+    for name, wrong in (("off the files", grid_boxes(rank, policy, shift=1)[0]),
+                        ("a file twice", shards + (others if rank == 1 else [])),
+                        ("files never written", [] if rank == 3 else shards)):
+        try:
+            ck.save(f"{root}/disjoint", 6, wrong, {}, chunking=policy,
+                    replicas=Replicas(disjoint=True, grid=grid))
+            out[name] = "saved"
+        except ck.CheckpointError as exc:
+            out[name] = str(exc)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -270,6 +350,7 @@ def main() -> None:
     reader.page_cache_id = real_page_cache
     if not root.startswith("s3://"):
         report["classes"] = class_loads(root, rank)
+        report["disjoint_save"] = disjoint_saves(root, rank, policy)
 
     if args.no_subgroup:
         write_world_result(out, report, saved.plan)

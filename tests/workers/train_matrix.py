@@ -59,7 +59,8 @@ from elastor_mcore import checkpoint
 from elastor_mcore.runtime.distributed_optimizer import DistributedOptimizer, planned_state_bytes
 from elastor_mcore.runtime import reshard
 from elastor_mcore.runtime.memory_tier import MemoryTier
-from elastor_mcore.runtime.state import chunk_policy, manifest_fields, set_position, state_shards
+from elastor_mcore.runtime.state import (
+    chunk_policy, manifest_fields, set_position, state_replicas, state_shards)
 from elastor_mcore.compat import cpu
 from elastor_mcore.data.samples import SyntheticTokens
 from elastor_mcore.parallel.groups import GroupCache
@@ -168,7 +169,8 @@ def run_case(case: dict, default_recipe: str | None, cache: GroupCache, out_root
         checkpoint.save(case["save"], case["steps"],
                         state_shards(runner.model, runner.optimizer),
                         manifest_fields(recipe, layout, case["steps"], seed, runner.optimizer),
-                        group=runner.groups.active, chunking=chunk_policy(recipe))
+                        group=runner.groups.active, chunking=chunk_policy(recipe),
+                        replicas=state_replicas(runner.groups.layout, runner.optimizer))
     return runner
 
 
@@ -195,9 +197,16 @@ def check_native_reduce(runner, out: Path) -> None:
     native = optimizer.owned_grads()
     flat_e = torch.cat([g.reshape(-1) for g in emulated])
     flat_n = torch.cat([g.reshape(-1) for g in native])
+    weights = [p.data for p in runner.model.parameters()]
+    optimizer.copy_main_to_model(native=False)
+    reduced = [w.clone() for w in weights]
+    for w in weights:
+        w.fill_(float("nan"))  # a weight the gather below missed stays NaN
+    optimizer.copy_main_to_model(native=True)
     report = {"elements": flat_e.numel(), "differing": int((flat_e != flat_n).sum()),
               "max_abs_diff": float((flat_e - flat_n).abs().max()),
-              "max_abs": float(flat_e.abs().max())}
+              "max_abs": float(flat_e.abs().max()),
+              "gathered_alike": all(torch.equal(a, b) for a, b in zip(reduced, weights))}
     (out / f"native.rank{dist.get_rank()}.json").write_text(json.dumps(report))
 
 
