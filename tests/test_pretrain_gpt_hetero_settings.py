@@ -69,8 +69,10 @@ core_v0.16.1: activations from the CPU profile's tables, sequence parallelism's
 saving taken off analytically)."""
 
 
-ZERO_SHARE_RTOL = 0.05
-"""A rank's ZeRO-1 state against the planner's even share (measured within 2%)."""
+ZERO_SHARE_RTOL = 0.10
+"""A rank's ZeRO-1 state against the planner's even share: each segment ends at the file
+rows of an unsharded save (``distributed_optimizer.file_rows``), up to a file's rows from
+the even cut (measured within 6.4% per rank at core_v0.16.1, and equal in sum)."""
 _ZERO_ALLOCATED = re.compile(r"rank (\d+): ZeRO-1 over .*?; (\d+) bytes allocated")
 _STARTUP_ROW = re.compile(r"memory_report:\s+(\d+)\s+(P\d+\.S\d+\.tp\d+)" + r"\s+([0-9.]+)" * 5
                           + r"\s+([0-9.]+|-)\s+([0-9.]+|-)$", re.M)
@@ -278,8 +280,8 @@ def test_memory_report_beside_the_planner(runs, name):
     for rank, row in rows.items():
         for kind in ("weights", "gradients", "optimizer"):
             measured, predicted = row[kind]
-            # ZeRO-1 cuts each replica set at inner-chunk rows; the planner counts the
-            # even share (measured: within 3% per rank, the same in sum).
+            # ZeRO-1 cuts each replica set at file rows; the planner counts the even
+            # share (ZERO_SHARE_RTOL per rank, the same in sum: below).
             rel = ZERO_SHARE_RTOL if kind == "optimizer" and name == "distopt" else 0.01
             assert measured == pytest.approx(predicted, rel=rel, abs=0.002), (rank, kind, row)
         measured, predicted = row["total"]

@@ -96,6 +96,9 @@ class BackgroundSave:
                 remove_stale(job.tmp.parent, keep=job.tmp.name)
             write_share(job.tmp, job.plan, job.sources, job.coordinator)
             if marks:
+                # a rank that wrote no file may get here before any writer made the
+                # step's directory (file storage; a no-op on object stores)
+                job.tmp.mkdir(parents=True, exist_ok=True)
                 storage_for(job.tmp).write_durably(done_marker(job.tmp, job.rank),
                                                    f"{time.time()} {len(job.sources)}\n")
         except BaseException as exc:  # reported through the marker and join()
