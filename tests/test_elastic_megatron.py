@@ -157,7 +157,9 @@ def test_megatron_lm_recovers_by_itself_on_the_survivors(elastic):
         for phase in ("detect_s", "stop_s", "probe_s", "plan_s", "relaunch_s", "load_s",
                       "first_step_s", "total_s"):
             assert r[phase] is not None and r[phase] >= 0, (phase, r)
-    assert hang["detect_s"] >= HEARTBEAT_FLOOR_S
+    # the timeout runs from the rank's last beat, which comes just before the injected
+    # hang's event, where the timeline starts (CI once measured 9.999 s)
+    assert hang["detect_s"] >= HEARTBEAT_FLOOR_S - 1, hang
     assert (work / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() \
         == str(ITERS)
     assert not (work / "checkpoints" / ".elastor-lease.json").exists()
