@@ -57,7 +57,6 @@ import argparse
 import dataclasses
 import functools
 import gc
-import itertools
 import json
 import pickle
 import statistics
@@ -76,8 +75,8 @@ from elastor_mcore.checkpoint import comm  # noqa: E402
 from elastor_mcore.checkpoint import reader  # noqa: E402
 from elastor_mcore.checkpoint.format import DTYPE_ITEMSIZE, Manifest  # noqa: E402
 from elastor_mcore.checkpoint.plan import (  # noqa: E402
-    NO_REPLICAS, LocalShard, Replicas, WritePlan, held_bytes, merge, plan_disjoint, plan_owned,
-    plan_tensors, route)
+    NO_REPLICAS, LocalShard, Replicas, WritePlan, held_bytes, merge, merge_entries, plan_disjoint,
+    plan_owned, plan_tensors, route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
 from elastor_mcore.geometry import ShardInfo, common_refinement  # noqa: E402
@@ -419,7 +418,7 @@ def disjoint_save_case(recipe: Recipe, layout: Layout, state: Zero1State) -> dic
 
         def local():
             plan = plan_disjoint(rank, infos, policy, grid)
-            created = {key: plan.entries[key] for key in plan.creates}
+            created = plan.created_entries()
             return plan, comm.pickled({coordinator: created} if created else {})
         plan, routed = clock.run(rank, local)
         assert plan.mismatch is None, (rank, plan.mismatch)
@@ -431,8 +430,7 @@ def disjoint_save_case(recipe: Recipe, layout: Layout, state: Zero1State) -> dic
         written.append(sum(u.nbytes for u in plan.units))
     sim.exchange("plan", outbox)
     received = receive(clock, coordinator, outbox.pop(coordinator, {}))
-    entries = clock.run(coordinator, lambda: dict(sorted(itertools.chain(
-        *(e.items() for e in received.values())))))
+    entries = clock.run(coordinator, lambda: merge_entries(received.values()))
     sim.all_reduce("finish", 24)
     manifest_s, text = cpu(lambda: Manifest.build(
         0, entries, wrote, {"layout": layout.to_dict()}).to_json())

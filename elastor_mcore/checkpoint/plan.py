@@ -117,6 +117,16 @@ class WritePlan:
     def units_of(self, rank: int) -> list[WriteUnit]:
         return [u for u in self.units if u.writer == rank]
 
+    def created_entries(self) -> dict[str, TensorEntry]:
+        """The entries of the arrays whose metadata this rank creates (``creates``)."""
+        return {key: self.entries[key] for key in self.creates}
+
+
+def merge_entries(parts: Iterable[Mapping[str, TensorEntry]]) -> dict[str, TensorEntry]:
+    """The manifest's entries, sorted by key, from the ranks' parts (a disjoint save's
+    coordinator hears each array's from the rank that creates it)."""
+    return dict(sorted(itertools.chain.from_iterable(part.items() for part in parts)))
+
 
 def assign_writers(units: Sequence[WriteUnit]) -> list[WriteUnit]:
     """Give each unit one writer among its holders, balancing bytes per rank.

@@ -22,7 +22,6 @@ background thread.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -38,8 +37,8 @@ from elastor_mcore.checkpoint.format import (
     committed_steps, parse_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.plan import (
-    NO_REPLICAS, LocalShard, Replicas, WritePlan, WriteUnit, held_bytes, merge, plan_disjoint,
-    plan_owned, route)
+    NO_REPLICAS, LocalShard, Replicas, WritePlan, WriteUnit, held_bytes, merge, merge_entries,
+    plan_disjoint, plan_owned, route)
 from elastor_mcore.checkpoint.storage import MANIFEST, TMP_PREFIX, Location, as_path, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import ShardInfo, local_view
@@ -151,11 +150,10 @@ def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy,
     coordinator the entries of the arrays, from the ranks that create them."""
     if replicas.grid is not None:
         plan = plan_disjoint(ranks.rank, infos, policy, replicas.grid)
-        created = {key: plan.entries[key] for key in plan.creates}
+        created = plan.created_entries()
         received = ranks.exchange({ranks.coordinator: created} if created else {}, what, error)
         if ranks.is_coordinator:
-            plan.entries = dict(sorted(
-                itertools.chain(plan.entries.items(), *(e.items() for e in received.values()))))
+            plan.entries = merge_entries([plan.entries, *received.values()])
         return plan
     try:
         replicas.check(ranks.ranks)
@@ -238,7 +236,7 @@ def write_share(tmp: Location, plan: WritePlan, sources: Sources,
         (tmp / "zarr.json").write_text(json.dumps(
             {"zarr_format": 3, "node_type": "group",
              "attributes": {"elastor_format_version": FORMAT_VERSION}}))
-    mine = {key: plan.entries[key] for key in plan.creates}
+    mine = plan.created_entries()
     if mine:
         open_arrays(tmp, mine, create=True)
     _write_units(tmp, plan.entries, sources)

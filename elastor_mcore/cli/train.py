@@ -4,6 +4,7 @@ rank forked from a pre-imported worker (``elastic.prestart``) unless ``--no-zygo
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from dataclasses import replace
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     return result.returncode
 
 
-def run_ranks(world: int, rank: RankCommand, zygote: bool):
+def run_ranks(world: int, rank: RankCommand, zygote: bool) -> subprocess.CompletedProcess:
     """Run ``world`` ranks of ``rank`` to the end. With ``zygote`` and more than one
     rank, each rank runs under a keeper, forked from a pre-imported worker started for
     this run: the ranks do not each import torch and Megatron-Core (seconds of CPU a

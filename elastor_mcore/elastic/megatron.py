@@ -53,7 +53,7 @@ def script_core_imports(script: Path) -> tuple[str, ...]:
     pre-imported worker to import once instead of every rank (Megatron-Core 0.16's
     tokenizers load ``transformers``: 1.2 CPU-s a rank, measured). Not
     ``megatron.training``: what it hooks at its import may depend on each run's
-    environment. None if the script cannot be read (its ranks then say why)."""
+    environment. Empty if the script cannot be read (its ranks then say why)."""
     try:
         tree = ast.parse(script.read_text())
     except (OSError, SyntaxError, ValueError):

@@ -65,9 +65,9 @@ AGENT_LINES = (
 the rendezvous's evictions of lost nodes (``compat.rendezvous.EVICTED``, not imported:
 it would load torch.distributed into the launcher)."""
 PROGRESS = re.compile(r"(step +\d+  loss|step time:|planner:)")
+"""The reporting rank's lines (``elastic.rank.worker.MetricsPrinter``), echoed for people."""
 ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception)(: .*)?$")
 """A traceback's last line: the failure message names the agent's latest one."""
-"""The reporting rank's lines (``elastic.rank.worker.MetricsPrinter``), echoed for people."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,11 +209,12 @@ class NodeLauncher:
                 line = raw.decode(errors="replace")
                 if PROGRESS.match(line):
                     self.on_message(f"node {self.config.node}: {line.strip()}")
-                if ERROR_LINE.match(line.strip()):
-                    self.last_error = line.strip()[-300:]
+                text = line.strip()
+                if ERROR_LINE.match(text):
+                    self.last_error = text[-300:]
                 for event, pattern in AGENT_LINES:
                     if pattern.search(line):
-                        append_event(self.events, event, line=line.strip()[-300:])
+                        append_event(self.events, event, line=text[-300:])
 
     def _current_round(self) -> Path | None:
         rounds = [p for p in (self.node_dir / ROUNDS_DIR).glob("*") if p.name.isdigit()]
