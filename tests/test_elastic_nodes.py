@@ -37,6 +37,10 @@ TOLERANCE = 1e-5
 KILL_AGENT_AT = 2
 CPU_SLOTS = REPO / "recipes" / "hardware" / "cpu-slots.yaml"
 DEADLINE_S = 600
+POLL_S = 0.1
+"""How often a wait looks again: a step takes ~0.3 s here, and the hang must be
+injected in an odd step's short window (``time_to_hang``); at 0.5 s a fast run once
+finished its 16 steps unseen."""
 # Waits the job spends idle, as short as a loaded machine allows. A beat comes after every
 # step (~0.3 s here, a synchronous save ~1 s): 8 s of silence is a hang with a margin of 5x.
 HEARTBEAT_TIMEOUT_S = 8
@@ -113,7 +117,7 @@ class Job:
             if time.monotonic() > deadline or any(p.poll() is not None for p in running):
                 raise AssertionError(f"waiting for {what}: a launcher ended or time ran "
                                      f"out; logs: {self.logs()}")
-            time.sleep(0.5)
+            time.sleep(POLL_S)
 
     def logs(self) -> str:
         return "\n".join(f"--- {name}\n{Path(name).read_text()[-3000:]}"
