@@ -28,7 +28,7 @@ from pathlib import Path
 
 from elastor_mcore.config.recipe import load_recipe
 from elastor_mcore.elastic import prestart
-from elastor_mcore.elastic.megatron import script_core_imports
+from elastor_mcore.elastic.megatron import rank_core_imports
 from tests.conftest import PRE_IMPORTED
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def zygote_env(script: Path) -> dict[str, str]:
     (``MegatronLM.zygote_imports``). The suite's other worlds have their own, without
     the shims: ``conftest.zygote_env``."""
     return PRE_IMPORTED.enter_context(prestart.prestarted(
-        True, env=shimmed_env(), imports=script_core_imports(script)))
+        True, env=shimmed_env(), imports=rank_core_imports(script)))
 
 
 def run_pretrain_gpt(megatron_lm_dir: Path, nproc: int, args: list[str], workdir: Path,

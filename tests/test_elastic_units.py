@@ -2,6 +2,7 @@
 detection, rank remapping, the timeline and the CUDA probe's timeout."""
 
 import collections
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -16,7 +17,8 @@ from elastor_mcore.config.run import RunSettings
 from elastor_mcore.elastic import node, protocol
 from elastor_mcore.elastic.heartbeat import HangPolicy
 from elastor_mcore.elastic.job import Trainer, latest_readable, renumbered
-from elastor_mcore.elastic.megatron import MegatronLM, script_core_imports
+from elastor_mcore.elastic.megatron import (LAZY_CORE_IMPORTS, MegatronLM, rank_core_imports,
+                                            script_core_imports)
 from elastor_mcore.elastic.probe import probe_cuda
 from elastor_mcore.integrations.megatron_lm.launch_flags import MegatronJob
 from elastor_mcore.elastic.protocol import (EVENTS_FILE, Beat, HeartbeatWriter, append_event,
@@ -344,3 +346,15 @@ def test_the_zygote_pre_imports_the_scripts_megatron_core_modules_only(tmp_path)
         real = script_core_imports(Path(checkout) / "pretrain_gpt.py")
         assert any(".tokenizers." in name for name in real), real
         assert not any(name.startswith("megatron.training") for name in real), real
+
+
+def test_the_zygote_also_pre_imports_what_megatron_core_imports_lazily(tmp_path):
+    """The lazily imported tokenizer module (Megatron-Core 0.19: 2.2 CPU-s a rank) is
+    in the installed Megatron-Core, so a rename there fails here rather than leaving
+    every rank to import it again behind the zygote's warning."""
+    script = tmp_path / "pretrain.py"
+    script.write_text("from megatron.core.tokenizers.text import x\nimport megatron.core.a\n")
+    assert rank_core_imports(script) == ("megatron.core.tokenizers.text", "megatron.core.a")
+    assert rank_core_imports(tmp_path / "missing.py") == LAZY_CORE_IMPORTS
+    for name in LAZY_CORE_IMPORTS:
+        assert importlib.util.find_spec(name) is not None, name

@@ -66,6 +66,21 @@ def script_core_imports(script: Path) -> tuple[str, ...]:
             names += [alias.name for alias in node.names]
     return tuple(dict.fromkeys(n for n in names if n.split(".")[:2] == ["megatron", "core"]))
 
+
+LAZY_CORE_IMPORTS = ("megatron.core.tokenizers.text",)
+"""Megatron-Core modules a Megatron-LM rank imports after its script's top level and
+before its first step. Megatron-Core 0.19 builds the tokenizer through ``importlib``
+from ``megatron.core.tokenizers.text``, whose Hugging Face wrapper imports
+``transformers`` (2.2 CPU-s a rank, measured); 0.16's ``pretrain_gpt.py`` imports it
+at its top level."""
+
+
+def rank_core_imports(script: Path) -> tuple[str, ...]:
+    """What the pre-imported worker imports for the ranks of ``script``: its top-level
+    Megatron-Core imports (``script_core_imports``), then ``LAZY_CORE_IMPORTS``."""
+    return tuple(dict.fromkeys(script_core_imports(script) + LAZY_CORE_IMPORTS))
+
+
 @dataclass(frozen=True)
 class MegatronLM(Workload):
     """``pretrain_gpt.py`` under the launcher (see the module docstring)."""
@@ -80,12 +95,12 @@ class MegatronLM(Workload):
     module = "elastor_mcore.elastic.rank.megatron"
     prestarted = True
     """Its ranks fork from the zygote, which holds torch, Megatron-Core and the script's
-    own Megatron-Core imports (``zygote_imports``); each imports ``megatron.training``
-    and runs ``pretrain_gpt.py`` as a cold rank does."""
+    Megatron-Core imports (``zygote_imports``, ``rank_core_imports``); each imports
+    ``megatron.training`` and runs ``pretrain_gpt.py`` as a cold rank does."""
 
     @property
     def zygote_imports(self) -> tuple[str, ...]:
-        return script_core_imports(Path(self.settings.script))
+        return rank_core_imports(Path(self.settings.script))
 
     @property
     def steps(self) -> int:
