@@ -104,13 +104,28 @@ def test_replicas_on_one_host_read_their_own_bytes(world, layout):
 @pytest.mark.timeout(300)
 def test_class_loads_match_a_single_process_read(world):
     """Loads with seeded random replica classes (members sharing their class's reads,
-    ranks in no class going through the owners): every rank's targets equal a
-    single-process read of the checkpoint, bit for bit."""
+    a rank in no class a class of its own, reading its own targets): every rank's
+    targets equal a single-process read of the checkpoint, bit for bit."""
     seeds = world["ranks"][0]["classes"]["seeds"]
     assert len(seeds) >= 6 and any(len(c) > 1 for s in seeds.values() for c in s["classes"])
+    assert any(len(c) == 1 for s in seeds.values() for c in s["classes"])
     for report in world["ranks"]:
         for seed, load in report["classes"]["seeds"].items():
             assert load["mismatches"] == [], (report["rank"], seed)
+
+
+@pytest.mark.timeout(300)
+def test_a_class_load_is_two_all_reduces_with_ranks_in_no_class_too(world):
+    """A load with replica classes makes 2 job-wide calls, the announcement and the
+    agreement (two ``all_reduce``s), and no ``all_to_all``, whether or not some ranks
+    are in no class (they read their own targets: no owner plans for them)."""
+    seeds = world["ranks"][0]["classes"]["seeds"]
+    assert any(len(c) == 1 for s in seeds.values() for c in s["classes"])
+    for report in world["ranks"]:
+        for seed, load in report["classes"]["seeds"].items():
+            assert load["calls"] == {"all_to_all_single": 0, "all_reduce": 2,
+                                     "all_gather_object": 0, "broadcast_object_list": 0}, (
+                report["rank"], seed, load["calls"])
 
 
 @pytest.mark.timeout(300)
@@ -150,13 +165,16 @@ def test_a_disjoint_load_reads_its_own_bytes_through_no_owner(world):
 def test_a_disjoint_save_with_a_grid_writes_the_replicated_files_through_no_owner(world):
     """``Replicas(disjoint=True, grid=...)``, as the trainer saves ZeRO-1's state: the
     step reads back bit for bit, with the entries (files) of the replicated save of
-    the same quarters, and its plan is one exchange (2 ``all_to_all_single``: the
-    entries to the coordinator), no owner hearing from every holder."""
+    the same quarters, and its 2 job-wide steps are 3 calls: the plan's gather of the
+    entries to the coordinator (an ``all_reduce`` of a bitmap of the senders, then
+    point to point), the finish's ``all_reduce`` and its ``broadcast``; no
+    ``all_to_all`` (whose size vector grew with the group), synchronous or not."""
     for report in world["ranks"]:
         save = report["disjoint_save"]
         assert save["mismatches"] == [] and save["entries_match"], save
-        assert save["async_mismatches"] == [], save
-        assert save["all_to_all"] == 2, save
+        assert save["async_mismatches"] == [] and save["async_all_to_all"] == 0, save
+        assert save["calls"] == {"all_to_all_single": 0, "all_reduce": 2,
+                                 "all_gather_object": 0, "broadcast_object_list": 1}, save
     # a piece of each split tensor on every rank, the replicated one on rank 0
     assert [r["disjoint_save"]["held"] for r in world["ranks"]] == [5, 4, 4, 4]
 
@@ -165,13 +183,17 @@ def test_a_disjoint_save_with_a_grid_writes_the_replicated_files_through_no_owne
 @pytest.mark.parametrize("case, expected", [
     ("off the files", "is not a union of its files"),
     ("a file twice", "write it twice"), ("files never written", "unwritten"),
-    ("async files never written", "unwritten")])
+    ("async files never written", "unwritten"),
+    ("bad shards on two ranks", "failed on 2 rank(s): rank 0: tensor embedding")])
 def test_a_wrong_disjoint_claim_fails_the_save_on_every_rank(world, case, expected):
-    """Disjoint shards cut off the grid's files, or that overlap or leave a gap: the
-    save raises ``CheckpointError`` on every rank before its manifest is written (an
-    asynchronous save's gap at the wait for it)."""
+    """Disjoint shards cut off the grid's files, or that overlap or leave a gap, or bad
+    shards on two ranks (their errors travel in the plan's gather): the save raises
+    ``CheckpointError`` on every rank before its manifest is written (an asynchronous
+    save's gap at the wait for it), naming every failed rank."""
     for report in world["ranks"]:
         assert expected in report["disjoint_save"][case], (report["rank"], case)
+    bad = world["ranks"][1]["disjoint_save"]["bad shards on two ranks"]
+    assert "| rank 2: tensor embedding" in bad, bad
 
 
 @pytest.mark.timeout(300)

@@ -353,35 +353,29 @@ def saved_checkpoint(root, seed: int):
 
 
 def class_load(step, layout, ranks, replicas, cache):
-    """Every rank's pieces as ``reader._load`` plans them with ``replicas``: a class
-    member's from ``class_pieces`` (its class's ``peer_names`` heard), a rank in no
-    class's from the owners of its tensors (``plan_reads``)."""
+    """Every rank's pieces as ``reader._load`` plans them with ``replicas``, each from
+    ``class_pieces``: a class member's with its class's ``peer_names`` heard, a rank in
+    no class's as a class of its own (its own targets, read by itself)."""
     infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
     entries = open_checkpoint(step).manifest.tensors
     pieces: dict[int, list] = {}
-    outbox: dict[int, dict] = {}
     for rank in ranks:
         members = replicas.of(rank)[0]
-        if len(members) > 1:
-            peers = peers_of(rank, members, {m: peer_names(infos[m], cache[m]) for m in members})
-            assert peers.mismatch is None
-            pieces[rank] = class_pieces(rank, infos[rank], entries, peers)
-            continue
-        for owner, mine in route(infos[rank], ranks).items():
-            outbox.setdefault(owner, {})[rank] = LoadRequest(tuple(mine), cache[rank])
-    for inbox in outbox.values():
-        for rank, part in plan_reads(inbox).items():
-            pieces.setdefault(rank, []).extend(part)
+        peers = (peers_of(rank, members, {m: peer_names(infos[m], cache[m]) for m in members})
+                 if len(members) > 1 else ClassPeers(members, {rank: 0}))
+        assert peers.mismatch is None
+        pieces[rank] = class_pieces(rank, infos[rank], entries, peers)
     return infos, pieces
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_class_loads_are_bit_exact(seed, tmp_path):
     """Each class member reads its share of its class's cells and sends it to the
-    members on other page caches; ranks in no class load through the owners. Every
-    piece a rank does not read, its reader reads and sends to it; every rank's targets
-    then equal a single-process read of the checkpoint bit for bit; and within a class
-    each piece is read from one page cache only (storage serves it once per class)."""
+    members on other page caches; a rank in no class reads its own targets, sending
+    and receiving nothing. Every piece a rank does not read, its reader reads and
+    sends to it; every rank's targets then equal a single-process read of the
+    checkpoint bit for bit; and within a class each piece is read from one page cache
+    only (storage serves it once per class)."""
     step = saved_checkpoint(tmp_path, seed)
     layout = replicated_layout(seed + 500)
     ranks = group_order(layout, seed)
@@ -416,6 +410,11 @@ def test_class_loads_are_bit_exact(seed, tmp_path):
                                                      target.global_shape), target.box)
             assert torch.equal(target.data.view(torch.int32), want.view(torch.int32)), (
                 seed, rank, target.key, target.box)
+    for rank in ranks:
+        if len(replicas.of(rank)[0]) < 2:  # a class of its own: reads all it holds
+            assert all(p.reader == rank and not p.send_to for p in pieces[rank]), (seed, rank)
+            assert not shared[rank].sends and all(p.reader == rank
+                                                  for p in shared[rank].pieces), (seed, rank)
     for members in replicas.classes:
         if len(members) < 2:
             continue
@@ -435,6 +434,14 @@ def test_class_loads_are_bit_exact(seed, tmp_path):
             loads[p.reader] += sizes[-1]
         assert max(loads.values()) <= sum(sizes) / len(members) + max(sizes, default=0), (
             seed, members, loads)
+
+
+def test_class_load_seeds_mix_classes_and_ranks_in_no_class():
+    """``test_class_loads_are_bit_exact``'s seeds hold layouts with both classes of two
+    or more and ranks in no class (a load of those once took a third step)."""
+    mixed = [seed for seed, layout in ((s, replicated_layout(s + 500)) for s in range(8))
+             if 0 < claimed(layout, seed).sharing < len(layout.ranks)]
+    assert len(mixed) >= 2, mixed
 
 
 @pytest.mark.parametrize("seed", range(12))

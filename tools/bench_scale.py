@@ -29,7 +29,7 @@ scattered over the nodes. Per case:
   passes them to its saves and loads without ZeRO-1; built once per layout, its CPU
   reported apart as ``replicas_s``), ``Comm.announce``, each member's check of its
   class (``reader.class_peers``) and split of its class's reads
-  (``reader.class_pieces``), the owners' plan for ranks in no class; without them
+  (``reader.class_pieces``), a rank in no class reading its own targets; without them
   (``--no-replicas``), ``reader.plan_load`` (the owners' refinements and shared reads,
   the step directory through its relays); the save likewise with the classes (the
   owners hearing one member of each class per column) or without (one owner per
@@ -170,6 +170,17 @@ class SimComm:
                     sent[sender] += len(blob)
                     received[dest] += len(blob)
         self._count(step, "all_to_all_single (messages)", sent, received)
+
+    def gather(self, step: str, coordinator: int, sizes: dict[int, int]) -> None:
+        """``comm.Comm.gather``: an ``all_reduce`` of an error count and a bitmap of the
+        senders (8 bytes per 64 ranks), then each sender's size (8 bytes) and message
+        (``sizes``: pickled bytes, by sender) to the coordinator, point to point
+        (in the senders' and the coordinator's bytes, not a job-wide call)."""
+        nbytes = 8 * (1 + -(-len(self.ranks) // 64))
+        each = dict.fromkeys(self.ranks, 2 * nbytes)
+        self._count(step, "all_reduce (senders)", each, each)
+        sent = {r: 8 + n for r, n in sizes.items() if r != coordinator}
+        self.point_to_point(sent, {coordinator: sum(sent.values())})
 
     def point_to_point(self, sent: dict[int, int], received: dict[int, int]) -> None:
         """Messages between ranks that know each other (``Comm.swap``): counted in
@@ -406,12 +417,14 @@ def save_case(recipe: Recipe, layout: Layout, state: State,
 def disjoint_save_case(recipe: Recipe, layout: Layout, state: Zero1State) -> dict[str, Any]:
     """``writer.plan_save`` of disjoint state with its grid (ZeRO-1, as the trainer
     saves it), then the finish, every rank simulated: each rank's own plan
-    (``plan.plan_disjoint``) and its entries to the coordinator, which merges them.
-    ``segment_balance``: the most elements a rank owns over the mean."""
+    (``plan.plan_disjoint``) and its entries to the coordinator (``Comm.gather``),
+    which merges them. ``segment_balance``: the most elements a rank owns over the
+    mean."""
     ranks = list(layout.ranks)
     policy, coordinator = chunk_policy(recipe), layout.ranks[0]
     sim, clock = SimComm(ranks), RankClock()
-    outbox: dict[int, dict[int, bytes]] = {}
+    inbox: dict[int, bytes] = {}
+    own: dict[str, Any] = {}
     files, wrote, owned, written = 0, 0, [], []
     for rank in ranks:
         infos, grid = state(rank), state.replicas(rank).grid
@@ -419,18 +432,21 @@ def disjoint_save_case(recipe: Recipe, layout: Layout, state: Zero1State) -> dic
         def local():
             plan = plan_disjoint(rank, infos, policy, grid)
             created = plan.created_entries()
-            return plan, comm.pickled({coordinator: created} if created else {})
-        plan, routed = clock.run(rank, local)
+            sends = created and rank != coordinator
+            return plan, created, pickle.dumps(created) if sends else None
+        plan, created, blob = clock.run(rank, local)
         assert plan.mismatch is None, (rank, plan.mismatch)
-        for dest, blob in routed.items():
-            outbox.setdefault(dest, {})[rank] = blob
+        if blob is not None:
+            inbox[rank] = blob
+        elif rank == coordinator:
+            own = created
         files += len(plan.units)
         wrote += bool(plan.units)
         owned.append(sum(i.box.numel for i in infos))
         written.append(sum(u.nbytes for u in plan.units))
-    sim.exchange("plan", outbox)
-    received = receive(clock, coordinator, outbox.pop(coordinator, {}))
-    entries = clock.run(coordinator, lambda: merge_entries(received.values()))
+    sim.gather("plan", coordinator, {r: len(b) for r, b in inbox.items()})
+    received = receive(clock, coordinator, inbox)
+    entries = clock.run(coordinator, lambda: merge_entries([own, *received.values()]))
     sim.all_reduce("finish", 24)
     manifest_s, text = cpu(lambda: Manifest.build(
         0, entries, wrote, {"layout": layout.to_dict()}).to_json())
@@ -453,53 +469,49 @@ def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any
     """``reader._load``'s planning, then the agreement after the reads, every rank
     simulated; the pieces (``reader.class_pieces`` of a class member, from the saved
     checkpoint's ``entries``) and ``SharedReads.build`` (views into the targets: meta
-    tensors here) on ``samples`` ranks. With replica classes: ``Comm.announce``, each
-    member's ``reader.class_peers`` (point to point within its class, counted in the
-    bytes but not as a job-wide call) and, for the ranks in no class, the owners'
-    plan (``reader.plan_load`` without relays); with disjoint state (ZeRO-1) the
-    announcement alone, each rank reading its own targets; without:
-    ``reader.plan_load``."""
+    tensors here) on ``samples`` ranks. With replica classes: ``Comm.announce`` and
+    each member's ``reader.class_peers`` (point to point within its class, counted in
+    the bytes but not as a job-wide call), a rank in no class being a class of its own;
+    with disjoint state (ZeRO-1) the announcement alone, each rank reading its own
+    targets; without: ``reader.plan_load``."""
     ranks = list(layout.ranks)
     coordinator = ranks[0]
     sim, clock = SimComm(ranks), RankClock()
     step_dir = "/checkpoints/step_00000000"
     infos_of = state
     classes = bool(replicas.sharing) or replicas.disjoint
-    asks = set() if replicas.disjoint else {r for r in ranks if len(replicas.of(r)[0]) < 2}
     peers: dict[int, reader.ClassPeers] = {}
+    replies: dict[int, dict[int, bytes]] = {}
     if classes:
         sim.all_reduce("plan", comm.ANNOUNCE_BYTES + 32)
-    if replicas.disjoint:
-        peers = {r: reader.ClassPeers((r,), {r: 0}) for r in ranks}
-    elif classes:
         names = {}
-        for rank in (r for r in ranks if r not in asks):
+        for rank in (r for r in ranks if len(replicas.of(r)[0]) > 1):
             infos = infos_of(rank)
             names[rank] = clock.run(rank, lambda: reader.peer_names(infos, page_cache(rank)))
         each = {r: 16 * (len(replicas.of(r)[0]) - 1) for r in names}
         sim.point_to_point(each, each)
-        for rank in names:
+        for rank in ranks:
             members = replicas.of(rank)[0]
+            if len(members) < 2:  # a class of its own: reads its own targets
+                peers[rank] = reader.ClassPeers(members, {rank: 0})
+                continue
             peers[rank] = clock.run(rank, lambda: reader.peers_of(
                 rank, members, {m: names[m] for m in members}))
             assert peers[rank].mismatch is None, (rank, peers[rank].mismatch)
+    else:
+        def requests(rank: int, infos: list) -> dict[int, LoadRequest | str]:
+            out: dict[int, LoadRequest | str] = {
+                owner: LoadRequest(tuple(mine), page_cache(rank))
+                for owner, mine in route(infos, ranks).items()}
+            return reader.to_relays(out, ranks, step_dir) if rank == coordinator else out
 
-    def requests(rank: int, infos: list) -> dict[int, LoadRequest | str]:
-        out: dict[int, LoadRequest | str] = {
-            owner: LoadRequest(tuple(mine), page_cache(rank))
-            for owner, mine in route(infos, ranks).items()} if rank in asks else {}
-        return reader.to_relays(out, ranks, step_dir) if rank == coordinator and not classes \
-            else out
-
-    replies: dict[int, dict[int, bytes]] = {}
-    if asks:
         outbox = exchange_to_owners(layout, state, clock, requests)
         sim.exchange("plan", outbox)
         for owner, inbox in outbox.items():
             received = receive(clock, owner, inbox)
             pieces = clock.run(owner, lambda: comm.pickled(reader.replies(reader.plan_reads(
                 {r: q for r, q in received.items() if isinstance(q, LoadRequest)}), ranks,
-                ranks.index(owner), None if classes else step_dir)))
+                ranks.index(owner), step_dir)))
             for rank, blob in pieces.items():
                 replies.setdefault(rank, {})[owner] = blob
         del outbox
@@ -507,7 +519,7 @@ def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any
     built, read_bytes = {}, []
     chosen = set(sample_ranks(ranks, samples))
     for rank in ranks:
-        parts = receive(clock, rank, replies.get(rank, {})) if asks else {}
+        parts = {} if classes else receive(clock, rank, replies.get(rank, {}))
         if rank not in chosen:
             continue
         infos = infos_of(rank)
@@ -515,33 +527,31 @@ def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any
                               torch.empty(i.box.shape, device="meta")) for i in infos]
         seconds, shared = cpu(lambda: reader.SharedReads.build(
             rank, targets, reader.class_pieces(rank, infos, entries, peers[rank])
-            if rank in peers else [p for part, _ in parts.values() for p in part]))
+            if classes else [p for part, _ in parts.values() for p in part]))
         built[rank] = seconds
         read_bytes.append(shared.read_bytes)
     sim.all_reduce("agree", 8)
     return {"ranks": len(ranks), **clock.summary(built), **sim.summary(),
             "columns": replicas.columns, "classes": classes,
+            "classes_of_one": sum(len(replicas.of(r)[0]) < 2 for r in ranks) if classes else 0,
             "read_bytes_max_sampled": max(read_bytes),
-            **storage_copies(state, replicas, asks, ranks)}
+            **storage_copies(state, replicas, ranks, classes)}
 
 
-def storage_copies(state: State, replicas: Replicas, alone: set[int],
-                   ranks: list[int]) -> dict[str, float]:
+def storage_copies(state: State, replicas: Replicas, ranks: list[int],
+                   classes: bool) -> dict[str, float]:
     """How many times storage serves each byte of a load (docs/checkpoint-format.md,
-    "Replicas"): once per replica class holding it, and once for the ranks in no class
-    (``alone``) that hold it; with disjoint state once per rank holding it (each reads
-    its own: once, if the state is disjoint indeed); the most for any byte and the
-    bytes served over the bytes loaded. Without classes the owners' plan reads each
-    byte once."""
-    firsts = list(ranks) if replicas.disjoint else [
-        members[0] for members in replicas.classes if len(members) > 1]
-    if not firsts:
+    "Replicas"): with ``classes``, once per class holding it (a rank in no class, or
+    each rank of disjoint state, a class of its own: once, if the state is disjoint
+    indeed); the most for any byte and the bytes served over the bytes loaded.
+    Without classes the owners' plan reads each byte once."""
+    if not classes:
         return {"storage_copies_max": 1, "storage_served_over_loaded": 1.0}
-    holders = {r: state(r) for r in [*firsts, *alone]}
+    holders = {first: state(first) for first in sorted({replicas.of(r)[0][0] for r in ranks})}
     dtypes = {i.key: i.dtype for infos in holders.values() for i in infos}
     served = unique = most = 0
     for cell in common_refinement(holders):
-        copies = len(set(cell.holders) - alone) + bool(alone & set(cell.holders))
+        copies = len(cell.holders)
         nbytes = cell.box.numel * DTYPE_ITEMSIZE[dtypes[cell.key]]
         served, unique, most = served + copies * nbytes, unique + nbytes, max(most, copies)
     return {"storage_copies_max": most, "storage_served_over_loaded": served / unique}

@@ -7,10 +7,11 @@ leaves the others hanging in the next collective (DCP's ``_DistWrapper`` idea).
 Without an initialised process group everything runs as a world of one.
 
 What a rank sends and receives must not grow with the job (16,384 ranks): ``Comm``
-agrees with one integer ``all_reduce`` (messages are gathered only when a rank failed)
-and moves plans with a sparse all-to-all (``exchange``) in which a rank hears only from
-the ranks that have something for it. See docs/checkpoint-format.md, "Planning at
-scale".
+agrees with one integer ``all_reduce`` (messages are gathered only when a rank failed),
+moves plans with a sparse all-to-all (``exchange``) in which a rank hears only from
+the ranks that have something for it, and brings the coordinator what some ranks send
+it with a bitmap ``all_reduce`` and point-to-point messages (``gather``). See
+docs/checkpoint-format.md, "Planning at scale".
 """
 
 from __future__ import annotations
@@ -179,6 +180,60 @@ class Comm:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         return {peer: tensor.tolist() for peer, tensor in inbox.items()}
+
+    def gather(self, message: Any, what: str,
+               error: BaseException | None = None) -> dict[int, Any]:
+        """Each rank's ``message`` (``None``: it sends nothing) at the coordinator, by
+        sender (``{}`` on the other ranks), with every rank's ``error`` agreed
+        (``CheckpointError`` on every rank, naming every failed rank, if one is set).
+        One ``all_reduce`` of an error count and a bitmap of the senders (a bit per
+        rank of the group: 2 KiB at 16,384 ranks), then each sender's size (8 bytes)
+        and pickled message to the coordinator, point to point: a rank that sends
+        nothing exchanges only the bitmap, where ``exchange``'s size vector grew with
+        the group (4 bytes per rank each way, on every rank)."""
+        position = self.ranks.index(self.rank)
+        words = [0] * -(-len(self.ranks) // 64)
+        if message is not None and error is None:
+            bit = 1 << position % 64
+            words[position // 64] = bit - (1 << 64) if bit >> 63 else bit  # int64
+        total = self.sum([error is not None, *words])
+        if total[0]:
+            check([m for m, in self.messages(error)], what, error)
+        if not self.is_coordinator:
+            if message is not None:
+                data = pickle.dumps(message)
+                self._point_to_point({self.coordinator: len(data).to_bytes(8, "little")}, {})
+                self._point_to_point({self.coordinator: data}, {})
+            return {}
+        senders = [r for i, r in enumerate(self.ranks)
+                   if r != self.rank and total[1 + i // 64] >> i % 64 & 1]
+        sizes = self._point_to_point({}, dict.fromkeys(senders, 8))
+        blobs = self._point_to_point(
+            {}, {r: int.from_bytes(size, "little") for r, size in sizes.items()})
+        incoming = {r: pickle.loads(blob) for r, blob in blobs.items()}
+        if message is not None:
+            incoming[self.rank] = message
+        return dict(sorted(incoming.items()))
+
+    def _point_to_point(self, sends: dict[int, bytes],
+                        receives: dict[int, int]) -> dict[int, bytes]:
+        """``sends`` to their ranks and ``receives[r]`` bytes from each rank ``r``, on
+        the group's device (gloo's CPU, NCCL's GPU); what was received, by sender."""
+        if _dist() is None or not (sends or receives):
+            return {}
+        import torch
+        import torch.distributed as dist
+
+        device = self._device()
+        outbox = {r: torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+                  for r, data in sends.items()}
+        inbox = {r: torch.empty(n, dtype=torch.uint8, device=device)
+                 for r, n in receives.items()}
+        ops = [dist.P2POp(dist.isend, t, r, self.group) for r, t in outbox.items()]
+        ops += [dist.P2POp(dist.irecv, t, r, self.group) for r, t in inbox.items()]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return {r: t.cpu().numpy().tobytes() for r, t in inbox.items()}
 
     def failures(self, *errors: BaseException | None) -> list[tuple[str | None, ...]]:
         """Every rank's ``errors`` described (``describe``), in group order, when any

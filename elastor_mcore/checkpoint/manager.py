@@ -2,8 +2,8 @@
 for a save that falls due while another is still being written and for a save that
 fails.
 
-An asynchronous ``save`` blocks only for one integer all-reduce (plus the plan's
-exchange the first time, ``writer.plan_save``) and a copy of the rank's units into reused host buffers
+An asynchronous ``save`` blocks only for one integer all-reduce (plus the plan
+step the first time, ``writer.plan_save``) and a copy of the rank's units into reused host buffers
 (``staging``); the writes and the commit run in the background (``background``). At most one save is in flight. It is finished (its
 error, if any, raised or logged on every rank, by ``SavePolicy.on_error``) by the
 next ``save``, by ``wait`` or by ``close``, which every rank of the group calls

@@ -224,8 +224,9 @@ class Replicas:
 
     @functools.cached_property
     def sharing(self) -> int:
-        """How many ranks are in a class of two or more (the others load alone or
-        through the tensors' owners)."""
+        """How many ranks are in a class of two or more: a load with none plans
+        through the tensors' owners; with some, the other ranks (classes of their own)
+        read their own targets."""
         return sum(len(members) for members in self.classes if len(members) > 1)
 
     def check(self, ranks: Sequence[int]) -> None:

@@ -85,9 +85,9 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
     storage by one of them and sent to those on other hosts (``SharedReads``). With
     ``replicas`` (which ranks hold the same targets, ``plan.Replicas``, the same on
     every rank), the members of each class share their class's reads among
-    themselves (``class_pieces``), and only the ranks in no class plan through the
-    tensors' owners; with ``Replicas(disjoint=True)`` (no bytes held twice: ZeRO-1)
-    each rank reads its own targets, and nothing is planned through owners.
+    themselves (``class_pieces``) and a rank in no class (a class of its own) reads
+    its own targets; with ``Replicas(disjoint=True)`` (no bytes held twice: ZeRO-1)
+    each rank reads its own targets. Either way nothing is planned through owners.
     """
     with gc_paused():
         return _load(path_or_root, targets, group, replicas)
@@ -98,7 +98,7 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
     """Two job-wide steps: **plan** (the step directory, and every rank's targets to the
     owners of their tensors, who send each holder its reads, ``plan_load``; with
     replica classes one ``Comm.announce``, each class's members checking each other's
-    targets, ``class_peers``, and the owners' plan only for ranks in no class; with
+    targets, ``class_peers``, a rank in no class being a class of its own; with
     disjoint targets the announcement alone, each rank a class of its own), then
     the reads, then **agree** on every rank's errors; then the shared reads'
     messages."""
@@ -121,14 +121,9 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
     if shares and (replicas.sharing or replicas.disjoint):
         step_dir = ranks.announce(step_dir, error, what, replicas.fingerprint)
         members = replicas.of(ranks.rank)[0]
-        if replicas.disjoint:  # reads its own targets, shares them with no one
-            peers = ClassPeers(members, {ranks.rank: 0})
-        elif len(members) > 1:
-            peers = class_peers(ranks, members, infos, cache)
-        if not replicas.disjoint and replicas.sharing < len(ranks.ranks):
-            # some ranks are in no class
-            _, pieces = plan_load(ranks, infos, cache, step_dir, what, asks=peers is None,
-                                  relays=False)
+        # a class of one (disjoint state, or a rank in no class) reads its own targets
+        peers = (class_peers(ranks, members, infos, cache) if len(members) > 1
+                 else ClassPeers(members, {ranks.rank: 0}))
     else:
         step_dir, pieces = plan_load(ranks, infos, cache, step_dir, what, error, shares)
     step_dir = as_path(step_dir)
@@ -234,26 +229,24 @@ def replies(owned: dict[int, list["ReadPiece"]], ranks: Sequence[int], position:
 
 def plan_load(ranks: comm.Comm, infos: Sequence[ShardInfo], cache: str,
               step_dir: str | None, what: str, error: BaseException | None = None,
-              shares: bool = True, asks: bool = True,
-              relays: bool = True) -> tuple[str, list[ReadPiece]]:
-    """The owners' plan of a load, two sparse exchanges: the coordinator's
-    ``step_dir`` to the first rank of each block of ``relay_block`` ranks (unless the
-    ranks know it already: not ``relays``) and, where the group carries the bytes
-    (``shares``) and this rank ``asks`` (it is in no replica class), its targets to
-    the owners of their tensors; then each holder's pieces back from the owners, and
-    the step directory from the first rank of its block (the coordinator sending it to
-    every rank sent 1 MB, one message per rank, at 16,016 ranks). Without ``shares``
-    each rank plans its own targets alone. Returns the step directory and this rank's
-    pieces."""
+              shares: bool = True) -> tuple[str, list[ReadPiece]]:
+    """The owners' plan of a load without replica classes (or on a group that carries
+    no CPU tensors: NCCL), two sparse exchanges: the coordinator's ``step_dir`` to the
+    first rank of each block of ``relay_block`` ranks and, where the group carries the
+    bytes (``shares``), every rank's targets to the owners of their tensors; then each
+    holder's pieces back from the owners, and the step directory from the first rank
+    of its block (the coordinator sending it to every rank sent 1 MB, one message per
+    rank, at 16,016 ranks). Without ``shares`` each rank plans its own targets alone.
+    Returns the step directory and this rank's pieces."""
     position, block = ranks.ranks.index(ranks.rank), relay_block(len(ranks.ranks))
     outgoing: dict[int, LoadRequest | str] = {}
-    if shares and asks:
+    if shares:
         outgoing = {owner: LoadRequest(tuple(mine), cache)
                     for owner, mine in route(infos, ranks.ranks).items()}
-    if ranks.is_coordinator and relays:
+    if ranks.is_coordinator:
         outgoing = to_relays(outgoing, ranks.ranks, step_dir)
     received = ranks.exchange(outgoing, what, error)
-    if relays and not position % block:
+    if not position % block:
         picked = received[ranks.coordinator]
         step_dir = picked if isinstance(picked, str) else picked.step_dir
     owned, error = {}, None
@@ -261,9 +254,8 @@ def plan_load(ranks: comm.Comm, infos: Sequence[ShardInfo], cache: str,
         owned = plan_reads({r: q for r, q in received.items() if isinstance(q, LoadRequest)})
     except ValueError as exc:  # targets that disagree on a tensor's global shape
         error = CheckpointError(f"targets disagree: {exc}")
-    received = ranks.exchange(
-        replies(owned, ranks.ranks, position, step_dir if relays else None), what, error)
-    if relays and position % block:
+    received = ranks.exchange(replies(owned, ranks.ranks, position, step_dir), what, error)
+    if position % block:
         step_dir = received[ranks.ranks[position - position % block]][1]
     pieces = [p for part, _ in received.values() for p in part] if shares else plan_reads(
         {ranks.rank: LoadRequest(tuple(infos), cache)}).get(ranks.rank, [])

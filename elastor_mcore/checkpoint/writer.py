@@ -146,12 +146,12 @@ def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy,
     ``error`` (this rank's, before planning) fails the save on every rank.
 
     Disjoint state with a grid (``Replicas.grid``: ZeRO-1) needs no owner: each rank
-    plans its own shards (``plan.plan_disjoint``) and one sparse exchange brings the
-    coordinator the entries of the arrays, from the ranks that create them."""
+    plans its own shards (``plan.plan_disjoint``) and one gather (``Comm.gather``: a
+    bitmap ``all_reduce``, then point to point) brings the coordinator the entries of
+    the arrays, from the ranks that create them."""
     if replicas.grid is not None:
         plan = plan_disjoint(ranks.rank, infos, policy, replicas.grid)
-        created = plan.created_entries()
-        received = ranks.exchange({ranks.coordinator: created} if created else {}, what, error)
+        received = ranks.gather(plan.created_entries() or None, what, error)
         if ranks.is_coordinator:
             plan.entries = merge_entries([plan.entries, *received.values()])
         return plan

@@ -4,7 +4,8 @@ Saves from TP-4-style boxes where every quarter has two holders (replicas), then
 loads into halves, 3-way uneven boxes and whole tensors (bf16 and fp32, bit-exact),
 saves from a sub-group that excludes rank 0, and measures bytes read; then loads
 with replica classes under seeded random layouts (compared with a single-process read)
-and with a false class and classes that differ between ranks (each must fail). The loads run
+and with a false class and classes that differ between ranks (each must fail), counting
+their job-wide calls; saves of disjoint state with a grid, right and wrong. The loads run
 twice: as they are (one host: replicas share the page cache and read their own
 bytes), and as if every rank ran on its own host (replicas share reads over gloo); on
 object storage once (every rank is its own host there). Rank 0 writes
@@ -14,6 +15,7 @@ object storage once (every rank is its own host there). Rank 0 writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import zlib
 from pathlib import Path
 
@@ -83,6 +85,30 @@ def load_boxes(rank: int, how: str) -> list:
             cuts = [0, n // 4 + 3, n // 2 + 7, n]
             targets.append(piece(key, dim, cuts[rank], cuts[rank + 1], fill=-7.0))
     return targets
+
+
+COUNTED = ("all_to_all_single", "all_reduce", "all_gather_object", "broadcast_object_list")
+"""The collectives ``counting`` counts (every job-wide call ``checkpoint.comm`` makes)."""
+
+
+@contextlib.contextmanager
+def counting():
+    """The calls of each of ``COUNTED`` made inside the block, by name."""
+    calls = dict.fromkeys(COUNTED, 0)
+    real = {name: getattr(dist, name) for name in COUNTED}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+        return call
+    for name in COUNTED:
+        setattr(dist, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
 
 
 def mismatches(targets) -> list[str]:
@@ -166,11 +192,13 @@ def class_loads(root: str, rank: int) -> dict:
         hosts = "a host per rank" if seed % 2 else "one host"
         reader.page_cache_id = (lambda: f"host {rank}") if seed % 2 else real_page_cache
         before = ck.storage_bytes_read()
-        ck.load(f"{root}/world", targets, replicas=replicas)
+        with counting() as calls:
+            ck.load(f"{root}/world", targets, replicas=replicas)
         read = ck.storage_bytes_read() - before
         bad, alone = single_process_read(f"{root}/world", targets)
         out["seeds"][seed] = dict(hosts=hosts, classes=[list(c) for c in replicas.classes],
-                                  mismatches=bad, bytes_read=read, bytes_alone=alone)
+                                  mismatches=bad, bytes_read=read, bytes_alone=alone,
+                                  calls=calls)
     reader.page_cache_id = lambda: f"host {rank}"
     out["disjoint"] = disjoint_loads(root, rank)
     for name, targets, replicas in (
@@ -209,25 +237,16 @@ def disjoint_loads(root: str, rank: int) -> dict:
     from elastor_mcore import checkpoint as ck
     from elastor_mcore.checkpoint import Replicas
 
-    calls = []
-    real = dist.all_to_all_single
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-    dist.all_to_all_single = counted
-    try:
+    with counting() as calls:
         targets = disjoint_boxes(rank)
         before = ck.storage_bytes_read()
         ck.load(f"{root}/world", targets, replicas=Replicas(disjoint=True))
         read = ck.storage_bytes_read() - before
         overlapping = load_boxes(rank, "halves")
         ck.load(f"{root}/world", overlapping, replicas=Replicas(disjoint=True))
-    finally:
-        dist.all_to_all_single = real
     _, alone = single_process_read(f"{root}/world", targets)
     return dict(mismatches=mismatches(targets), overlapping_mismatches=mismatches(overlapping),
-                all_to_all=len(calls), bytes_read=read, bytes_alone=alone,
+                all_to_all=calls["all_to_all_single"], bytes_read=read, bytes_alone=alone,
                 held=sum(t.data.numel() for t in targets))
 
 
@@ -258,30 +277,21 @@ def grid_boxes(rank: int, policy, shift: int = 0) -> tuple[list, dict]:
 
 def disjoint_saves(root: str, rank: int, policy) -> dict:
     """Saves of disjoint state with a grid (``Replicas.grid``, as the trainer saves
-    ZeRO-1's): the ``all_to_all_single`` calls they make (one exchange: the entries to
-    the coordinator), what a single-process read finds, and the error of each wrong
-    claim (every rank must raise): shards cut off the files, a rank that also holds
-    another's shard (a file written twice), a rank that holds nothing (files never
-    written)."""
+    ZeRO-1's): the job-wide calls they make (``counting``: the entries' gather to the
+    coordinator, then the finish), what a single-process read finds, and the error of
+    each wrong claim (every rank must raise): shards cut off the files, a rank that
+    also holds another's shard (a file written twice), a rank that holds nothing (files
+    never written), bad shards on two ranks (their errors travel in the gather)."""
     from elastor_mcore import checkpoint as ck
-    from elastor_mcore.checkpoint import Replicas
+    from elastor_mcore.checkpoint import LocalShard, Replicas
 
-    calls = []
-    real = dist.all_to_all_single
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
     shards, grid = grid_boxes(rank, policy)
-    dist.all_to_all_single = counted
-    try:
+    with counting() as calls:
         ck.save(f"{root}/disjoint", 5, shards, {}, chunking=policy,
                 replicas=Replicas(disjoint=True, grid=grid))
-    finally:
-        dist.all_to_all_single = real
     whole = [piece(key, None, 0, 0) for key in TENSORS]  # the truth, whole
     bad, _ = single_process_read(f"{root}/disjoint", whole)
-    out = dict(all_to_all=len(calls), mismatches=bad, held=len(shards),
+    out = dict(calls=calls, mismatches=bad, held=len(shards),
                entries_match=ck.open(f"{root}/disjoint").manifest.tensors
                == ck.open(f"{root}/world").manifest.tensors)
     # the trainer's saves are asynchronous: the same plan through CheckpointManager,
@@ -289,8 +299,10 @@ def disjoint_saves(root: str, rank: int, policy) -> dict:
     saver = ck.CheckpointManager(f"{root}/disjoint-async", chunking=policy,
                                  policy=ck.SavePolicy(asynchronous=True, on_error="stop"),
                                  replicas=Replicas(disjoint=True, grid=grid))
-    saver.save(7, shards, {})
-    saver.close()
+    with counting() as calls:
+        saver.save(7, shards, {})
+        saver.close()
+    out["async_all_to_all"] = calls["all_to_all_single"]
     out["async_mismatches"] = single_process_read(f"{root}/disjoint-async", whole)[0]
     saver.save(8, [] if rank == 3 else shards, {})
     try:
@@ -299,9 +311,13 @@ def disjoint_saves(root: str, rank: int, policy) -> dict:
     except ck.CheckpointError as exc:
         out["async files never written"] = str(exc)
     others = grid_boxes((rank + 1) % 4, policy)[0]
+    key = "embedding.word_embeddings.weight"
+    outside = LocalShard(key, TENSORS[key][0], (510, 0), truth(key)[:4])  # rows 510-513 of 512
     for name, wrong in (("off the files", grid_boxes(rank, policy, shift=1)[0]),
                         ("a file twice", shards + (others if rank == 1 else [])),
-                        ("files never written", [] if rank == 3 else shards)):
+                        ("files never written", [] if rank == 3 else shards),
+                        ("bad shards on two ranks", shards + ([outside] if rank in (0, 2)
+                                                              else []))):
         try:
             ck.save(f"{root}/disjoint", 6, wrong, {}, chunking=policy,
                     replicas=Replicas(disjoint=True, grid=grid))
