@@ -17,6 +17,7 @@ docs/checkpoint-format.md, "Planning at scale".
 from __future__ import annotations
 
 import pickle
+import struct
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -166,20 +167,12 @@ class Comm:
     def swap(self, peers: Sequence[int], values: Sequence[int]) -> dict[int, list[int]]:
         """``values`` (int64, as many on every rank) sent to each of ``peers`` and
         theirs received, point to point: for ranks that know each other in advance
-        (a replica class, from the layout every rank knows) and that all call it.
-        Needs a backend that carries CPU tensors (gloo)."""
-        dist = _dist()
-        if dist is None or not peers:
-            return {}
-        import torch
-
-        mine = torch.tensor(list(values), dtype=torch.int64)
-        inbox = {peer: torch.empty_like(mine) for peer in peers}
-        ops = [dist.P2POp(dist.isend, mine, peer, self.group) for peer in peers]
-        ops += [dist.P2POp(dist.irecv, inbox[peer], peer, self.group) for peer in peers]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return {peer: tensor.tolist() for peer, tensor in inbox.items()}
+        (a replica class, from the layout every rank knows) and that all call it."""
+        mine = struct.pack(f"<{len(values)}q", *values)
+        received = self._point_to_point(dict.fromkeys(peers, mine),
+                                        dict.fromkeys(peers, len(mine)))
+        return {peer: list(struct.unpack(f"<{len(values)}q", data))
+                for peer, data in received.items()}
 
     def gather(self, message: Any, what: str,
                error: BaseException | None = None) -> dict[int, Any]:
