@@ -37,6 +37,28 @@ def job_read_amplification(world, hosts: str, layout: str) -> float:
 
 
 @pytest.mark.timeout(300)
+def test_the_exchange_delivers_messages_of_any_size_intact(world):
+    """``Comm.exchange`` pads each message to its size class and sends the class as one
+    byte: seeded random messages of 0 to 300 KB between every pair of ranks arrive as
+    sent (``tests/workers/checkpoint_world.py``, ``exchanges``)."""
+    assert [r["exchange"] for r in world["ranks"]] == [[]] * 4
+
+
+def test_size_classes_cover_every_message_with_little_padding():
+    from elastor_mcore.checkpoint import comm
+
+    sizes = comm.SIZE_CLASSES
+    assert len(sizes) == 256 and sizes[0] == 0 and sizes[-1] >= 2**31
+    assert all(b > a for a, b in zip(sizes, sizes[1:]))
+    for n in [0, 1, 2, 63, 64, 1000, 123_457, 10**6, 2**31 - 1, *sizes[1:50]]:
+        padded = sizes[comm.size_class(n)]
+        assert n <= padded <= max(n + 1, 1.08 * n + 1), n
+        assert comm.size_class(n) == 0 or sizes[comm.size_class(n) - 1] < n, n
+    with pytest.raises(comm.CheckpointError, match="size classes"):
+        comm.size_class(sizes[-1] + 1)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["halves", "uneven", "whole"])
 def test_resharded_load_is_bit_exact(world, layout):
     for report in world["ranks"]:

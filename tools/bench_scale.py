@@ -157,18 +157,20 @@ class SimComm:
 
     def exchange(self, step: str, outbox: dict[int, dict[int, bytes]]) -> None:
         """``comm.Comm.exchange``: ``outbox[dest][sender]`` pickled messages (a rank's
-        message to itself is not sent). Two ``all_to_all_single`` calls: the sizes (4
-        bytes to every rank), then the messages."""
+        message to itself is not sent). Two ``all_to_all_single`` calls: the sizes (a
+        byte to every rank, ``comm.size_class``), then the messages, each padded to its
+        class."""
         n = len(self.ranks)
-        sizes = dict.fromkeys(self.ranks, 4 * (n - 1))
+        sizes = dict.fromkeys(self.ranks, n - 1)
         self._count(step, "all_to_all_single (sizes)", sizes, sizes)
         sent = dict.fromkeys(self.ranks, 0)
         received = dict.fromkeys(self.ranks, 0)
         for dest, inbox in outbox.items():
             for sender, blob in inbox.items():
                 if sender != dest:
-                    sent[sender] += len(blob)
-                    received[dest] += len(blob)
+                    padded = comm.SIZE_CLASSES[comm.size_class(len(blob))]
+                    sent[sender] += padded
+                    received[dest] += padded
         self._count(step, "all_to_all_single (messages)", sent, received)
 
     def gather(self, step: str, coordinator: int, sizes: dict[int, int]) -> None:

@@ -9,13 +9,15 @@ Without an initialised process group everything runs as a world of one.
 What a rank sends and receives must not grow with the job (16,384 ranks): ``Comm``
 agrees with one integer ``all_reduce`` (messages are gathered only when a rank failed),
 moves plans with a sparse all-to-all (``exchange``) in which a rank hears only from
-the ranks that have something for it, and brings the coordinator what some ranks send
+the ranks that have something for it (its size vector one byte per rank), and brings the coordinator what some ranks send
 it with a bitmap ``all_reduce`` and point-to-point messages (``gather``). See
 docs/checkpoint-format.md, "Planning at scale".
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import pickle
 import struct
 from dataclasses import dataclass
@@ -25,6 +27,31 @@ from elastor_mcore.checkpoint.format import CheckpointError
 
 ANNOUNCE_BYTES = 4096
 """The most bytes ``Comm.announce`` carries (a step directory's path or URL)."""
+
+
+def _size_classes(ratio: float = 1.08) -> tuple[int, ...]:
+    """256 message sizes, each at least ``ratio`` times the one before (0, 1, 2, ...,
+    up to 2.4 GB): what ``exchange`` pads its messages to, so that a message's size
+    travels as one byte, its class."""
+    sizes = [0, 1]
+    while len(sizes) < 256:
+        sizes.append(max(sizes[-1] + 1, math.ceil(sizes[-1] * ratio)))
+    return tuple(sizes)
+
+
+SIZE_CLASSES = _size_classes()
+"""``exchange``'s message sizes: a message is padded to the next (by under 8%; pickle
+ignores the bytes past its end), and its size sent as the class's index, one byte per
+rank of the group: the one part of a sparse all-to-all that grows with the job."""
+
+
+def size_class(nbytes: int) -> int:
+    """The index of the smallest of ``SIZE_CLASSES`` that holds ``nbytes``."""
+    index = bisect.bisect_left(SIZE_CLASSES, nbytes)
+    if index == len(SIZE_CLASSES):
+        raise CheckpointError(f"a plan message of {nbytes} bytes: at most "
+                              f"{SIZE_CLASSES[-1]} fit the exchange's size classes")
+    return index
 
 
 def _dist():
@@ -183,7 +210,7 @@ class Comm:
         rank of the group: 2 KiB at 16,384 ranks), then each sender's size (8 bytes)
         and pickled message to the coordinator, point to point: a rank that sends
         nothing exchanges only the bitmap, where ``exchange``'s size vector grew with
-        the group (4 bytes per rank each way, on every rank)."""
+        the group (a byte per rank each way, on every rank)."""
         position = self.ranks.index(self.rank)
         words = [0] * -(-len(self.ranks) // 64)
         if message is not None and error is None:
@@ -249,9 +276,11 @@ class Comm:
                  error: BaseException | None = None) -> dict[int, Any]:
         """Send ``outgoing[r]`` to each rank ``r``; returns what the ranks that sent
         this rank something sent, by sender. A sparse all-to-all: one
-        ``all_to_all_single`` of sizes (4 bytes per rank of the group: the one part
-        that grows with the job, so 32 bits, not 64), one of the pickled messages. With ``error``, this rank sends it to every rank instead,
-        and every rank raises ``CheckpointError`` naming every failed rank."""
+        ``all_to_all_single`` of sizes (one byte per rank of the group, a message's
+        ``size_class``: the one part that grows with the job), one of the pickled
+        messages, each padded to its class. With ``error``, this rank sends it to every
+        rank instead, and every rank raises ``CheckpointError`` naming every failed
+        rank."""
         if error is not None:
             outgoing = dict.fromkeys(self.ranks, Failed(describe(error)))
         dist = _dist()
@@ -269,20 +298,19 @@ class Comm:
 
         device = self._device()
         messages = pickled({r: m for r, m in outgoing.items() if r != self.rank})
-        blobs = [messages.get(r, b"") for r in self.ranks]
-        send_sizes = [len(b) for b in blobs]
-        if max(send_sizes, default=0) >= 2**31:
-            raise CheckpointError(f"a plan message of {max(send_sizes)} bytes: at most 2 GiB "
-                                  f"fit the exchange's 32-bit sizes")
-        sizes = torch.tensor(send_sizes, dtype=torch.int32, device=device)
-        receive_sizes = torch.empty_like(sizes)
-        dist.all_to_all_single(receive_sizes, sizes, group=self.group)
-        receive_sizes = receive_sizes.tolist()
+        classes = [size_class(len(messages.get(r, b""))) for r in self.ranks]
+        blobs = [messages.get(r, b"").ljust(SIZE_CLASSES[c], b"\0")
+                 for r, c in zip(self.ranks, classes)]
+        sizes = torch.tensor(classes, dtype=torch.uint8, device=device)
+        receive_classes = torch.empty_like(sizes)
+        dist.all_to_all_single(receive_classes, sizes, group=self.group)
+        receive_sizes = [SIZE_CLASSES[c] for c in receive_classes.tolist()]
         data = b"".join(blobs)
         send = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
                 else torch.empty(0, dtype=torch.uint8)).to(device)
         received = torch.empty(sum(receive_sizes), dtype=torch.uint8, device=device)
-        dist.all_to_all_single(received, send, receive_sizes, send_sizes, group=self.group)
+        dist.all_to_all_single(received, send, receive_sizes, [len(b) for b in blobs],
+                               group=self.group)
         self.calls += 2
         raw = received.cpu().numpy().tobytes()
         incoming, start = {}, 0

@@ -327,6 +327,42 @@ def disjoint_saves(root: str, rank: int, policy) -> dict:
     return out
 
 
+EXCHANGE_SEEDS = range(3)
+"""The seeded rounds of ``exchanges``."""
+
+
+def exchange_message(seed: int, sender: int, dest: int) -> bytes | None:
+    """What ``sender`` sends ``dest`` in round ``seed`` of ``exchanges``: nothing, or
+    random bytes of a random size (0 to 300 KB, so most sizes fall between two of the
+    exchange's size classes), the same in every process."""
+    import random
+
+    rng = random.Random(seed * 10_000 + sender * 100 + dest)
+    if rng.random() < 0.3:
+        return None
+    return rng.randbytes(rng.choice([0, 1, 7, rng.randrange(100, 5000),
+                                     rng.randrange(5000, 300_000)]))
+
+
+def exchanges(rank: int) -> list[str]:
+    """``Comm.exchange`` of seeded random messages between every pair of ranks (to
+    itself too): what each rank received that differs from what was sent to it."""
+    from elastor_mcore.checkpoint import comm
+
+    ranks = comm.Comm()
+    wrong = []
+    for seed in EXCHANGE_SEEDS:
+        outgoing = {dest: m for dest in range(4)
+                    if (m := exchange_message(seed, rank, dest)) is not None}
+        received = ranks.exchange(outgoing, "the exchange test")
+        expected = {sender: m for sender in range(4)
+                    if (m := exchange_message(seed, sender, rank)) is not None}
+        if received != expected:
+            wrong.append(f"seed {seed}: from {sorted(received)}, expected {sorted(expected)}"
+                         f" or other bytes")
+    return wrong
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -346,7 +382,7 @@ def main() -> None:
     policy = ck.ChunkPolicy(chunk_bytes=2 * 1024, file_bytes=8 * 1024)
     saved = ck.save(f"{root}/world", 3, save_boxes(rank), {"layout": {"tp": 4}}, chunking=policy)
 
-    report = {"rank": rank}
+    report = {"rank": rank, "exchange": exchanges(rank)}
     real_page_cache = reader.page_cache_id
     # On object storage there is no page cache to share: the second pass would repeat
     # the first.
