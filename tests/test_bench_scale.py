@@ -130,11 +130,17 @@ def test_simulated_gather_costs_a_rank_that_sends_nothing_its_bitmap_alone():
 @pytest.mark.timeout(300)
 def test_bench_scale_runs(tmp_path):
     """The tool on its smallest world: every plan, counted and timed."""
+    def run(name: str, *flags: str) -> dict:
+        """The tool's one row for 8B at 64 GPUs after 1 lost, with ``flags``."""
+        out = tmp_path / f"{name}.json"
+        subprocess.run([sys.executable, str(REPO / "tools/bench_scale.py"), "--models",
+                        "llama3-8b", "--worlds", "64", "--lost", "1", "--samples", "1",
+                        *flags, "--out", str(out)], check=True, cwd=REPO, capture_output=True)
+        [row] = json.loads(out.read_text())["rows"]
+        return row
+
+    row = run("scale")
     out = tmp_path / "scale.json"
-    subprocess.run([sys.executable, str(REPO / "tools/bench_scale.py"), "--models",
-                    "llama3-8b", "--worlds", "64", "--lost", "1", "--samples", "1",
-                    "--out", str(out)], check=True, cwd=REPO, capture_output=True)
-    [row] = json.loads(out.read_text())["rows"]
     save, [failure] = row["save_uniform"], row["failures"]
     assert save["ranks"] == 64 and save["job_wide_steps"] == 2
     assert failure["planner"]["gpus_used"] <= 63
@@ -149,16 +155,21 @@ def test_bench_scale_runs(tmp_path):
         for flag in ("--table", "--planner-table")}
     assert f"| 64 | lost 1 | {failure['save']['ranks']} | " in tables["--table"]
     assert f"| llama3-8b | 64 | 1 | {failure['planner']['cpu_s']:.3f} | " in tables["--planner-table"]
-    zero1 = tmp_path / "zero1.json"
-    subprocess.run([sys.executable, str(REPO / "tools/bench_scale.py"), "--models",
-                    "llama3-8b", "--worlds", "64", "--lost", "1", "--samples", "1", "--only",
-                    "save", "--zero1", "--out", str(zero1)], check=True, cwd=REPO,
-                   capture_output=True)
-    [row] = json.loads(zero1.read_text())["rows"]
-    [sharded] = row["failures"]
+    [sharded] = run("zero1", "--only", "save", "--zero1")["failures"]
     # ZeRO-1's save: its own plan per rank and the entries gathered to the coordinator
     # (a bitmap all_reduce, then point to point), in the replicated state's files
     assert sharded["save"]["calls"] == [
         "plan: all_reduce (senders)", "finish: all_reduce", "finish: broadcast_object_list"]
     assert sharded["save"]["files"] == failure["save"]["files"]
     assert sharded["save"]["owning_ranks"] <= sharded["save"]["ranks"]
+    row = run("megatron", "--only", "save,load", "--megatron-lm")
+    [mixed] = row["failures"]
+    assert "save_uniform" not in row  # Megatron's own distributed optimizer runs there
+    # Megatron-LM's state: weights through the classes' owners, ZeRO-1's state on its
+    # grid, the named files, all in the replicated save's 2 steps; a class load
+    exchange = ["plan: all_to_all_single (sizes)", "plan: all_to_all_single (messages)"]
+    assert mixed["save"]["calls"] == [*exchange, *exchange, "finish: all_reduce",
+                                      "finish: broadcast_object_list"]
+    assert mixed["save"]["named_files"] > 1 and mixed["save"]["tensors"] > failure["save"][
+        "tensors"]
+    assert mixed["load"]["calls"] == ["plan: all_reduce", "agree: all_reduce"]

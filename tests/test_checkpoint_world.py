@@ -219,6 +219,50 @@ def test_a_wrong_disjoint_claim_fails_the_save_on_every_rank(world, case, expect
 
 
 @pytest.mark.timeout(300)
+def test_mixed_state_saves_and_loads_in_two_steps_each(world):
+    """Replica classes beside a grid (Megatron-LM's weights and ZeRO-1's optimizer
+    state), on seeded random classes: the save reads back bit for bit, the grid's
+    tensor with the replicated save's entry; the save is the two exchanges and the
+    finish (its disjoint entries ride the first exchange to the coordinator), the
+    load the announcement and the agreement; each named file is written once, by a
+    rank that offered it, with the bytes it offered."""
+    seeds = world["ranks"][0]["mixed"]["seeds"]
+    assert any(len(c) == 1 for s in seeds.values() for c in s["classes"])
+    assert any(len(c) > 1 for s in seeds.values() for c in s["classes"])
+    for report in world["ranks"]:
+        for seed, case in report["mixed"]["seeds"].items():
+            where = (report["rank"], seed)
+            assert case["mismatches"] == [] and case["load_mismatches"] == [], where
+            assert case["grid_entry_matches"], where
+            assert case["calls"] == {"all_to_all_single": 4, "all_reduce": 1,
+                                     "all_gather_object": 0, "broadcast_object_list": 1}, where
+            assert case["load_calls"] == {"all_to_all_single": 0, "all_reduce": 2,
+                                          "all_gather_object": 0,
+                                          "broadcast_object_list": 0}, where
+            assert set(case["files_written"]) <= set(case["offered"]), where
+            for name in case["offered"]:
+                expected = "plain values" if name == "common.pt" else \
+                    f"stage of {tuple(next(c for c in case['classes'] if report['rank'] in c))}"
+                assert case["files"][name] == expected, (where, name)
+    for seed in seeds:
+        written = [name for r in world["ranks"] for name in r["mixed"]["seeds"][seed]
+                   ["files_written"]]
+        offered = {name for r in world["ranks"] for name in r["mixed"]["seeds"][seed]["offered"]}
+        assert sorted(written) == sorted(offered), (seed, written)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case, expected", [
+    ("member off its class", "do not tile its box"),
+    ("grid shard off its files", "is not a union of its files")])
+def test_a_wrong_mixed_claim_fails_the_save_on_every_rank(world, case, expected):
+    """A class member whose weights differ from its class's, or a grid tensor's shard
+    cut off its files: the mixed save raises on every rank before its manifest."""
+    for report in world["ranks"]:
+        assert expected in report["mixed"][case], (report["rank"], report["mixed"][case])
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["false class", "classes differ between ranks"])
 def test_a_wrong_replica_class_fails_on_every_rank(world, case):
     """Members that hold different boxes, or ranks that pass different classes: the

@@ -231,6 +231,13 @@ def test_distributed_optimizer_on_heterogeneous_layouts_trains_and_resumes(disto
           f"elements = {12 * elements}")
     assert sorted(owned) == list(range(5)), trained.stdout[-3000:]
     assert sum(owned.values()) == 12 * elements
+    saves = SAVE_LINE.findall(trained.stdout)
+    print(f"zarr saves (path, job-wide calls, replica classes, grid tensors): {saves}")
+    # the weights planned over the layout's 3 replica classes (two [5|3] pipelines' stages
+    # and the one-stage pipeline), ZeRO-1's state on its grid, objects and common.pt in
+    # the same 2 job-wide steps: 2 exchanges of 2 calls, the finish's sum and broadcast
+    assert len(saves) >= 5 and all(
+        (calls, classes) == ("6", "3") and int(grid) > 0 for _, calls, classes, grid in saves)
     early = list(range(1, PLAIN_EXIT + 1))
     vs_plain = max_relative_difference([trained.losses[i] for i in early],
                                        [plain.losses[i] for i in early])
@@ -263,6 +270,9 @@ def test_zero_checkpoint_resumes_under_megatrons_distributed_optimizer(uniform_r
 
 
 ZERO_LINE = re.compile(r"rank (\d+): ZeRO-1 over \d+ replica sets, optimizer state (\d+) bytes")
+SAVE_LINE = re.compile(r"saved Megatron-LM checkpoint (\S+) in the elastor zarr format: "
+                       r"(\d+) job-wide calls, (\d+) replica classes, (\d+) tensors on a grid")
+"""``megatron_dir``'s log line of each rank's save."""
 
 
 def zero_state_bytes(stdout: str) -> dict[int, int]:

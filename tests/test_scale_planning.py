@@ -36,7 +36,7 @@ from elastor_mcore.checkpoint import comm
 from elastor_mcore.checkpoint.format import ChunkPolicy, choose_entry
 from elastor_mcore.checkpoint.format import CheckpointError
 from elastor_mcore.checkpoint.plan import (
-    NO_REPLICAS, Replicas, build_plan, held_bytes, merge, plan_owned, route)
+    NO_REPLICAS, LocalPlan, Replicas, build_plan, held_bytes, plan_owned, route)
 from elastor_mcore.checkpoint.plan import LocalShard
 from elastor_mcore.checkpoint.reader import (
     ClassPeers, LoadRequest, SharedReads, class_pieces, open_checkpoint, peer_names, peers_of,
@@ -100,20 +100,19 @@ def simulate_save(infos, ranks, policy, replicas=NO_REPLICAS):
     """``writer.plan_save`` for every rank at once: (every unit with its writer, each
     rank's plan). With ``replicas``, only the members ``Replicas.sends`` names send
     their shards, each owner plans one column of its tensors."""
-    columns = replicas.columns
+    local = {rank: LocalPlan.build(rank, infos[rank], ranks, policy, replicas)
+             for rank in ranks}
     outbox: dict[int, dict] = {}
     for rank in ranks:
-        for owner, mine in route(infos[rank], ranks, replicas.sends(rank), columns).items():
-            outbox.setdefault(owner, {})[rank] = mine
-    totals = {rank: held_bytes(infos[rank]) for rank in ranks}
+        for owner, request in local[rank].requests.items():
+            outbox.setdefault(owner, {})[rank] = request
     parts: dict[int, dict] = {}
     owned = {}
     for owner, inbox in outbox.items():
-        told, owned[owner] = plan_owned({r: (totals[r], m) for r, m in inbox.items()}, ranks,
-                                        ranks.index(owner), policy, replicas)
+        told, owned[owner] = plan_owned(inbox, ranks, ranks.index(owner), policy, replicas)
         for rank, part in told.items():
             parts.setdefault(rank, {})[owner] = part
-    plans = {r: merge(r, parts.get(r, {}).values(), owned.get(r, ()), replicas, infos[r])
+    plans = {r: local[r].merged(parts.get(r, {}).values(), owned.get(r, ()), replicas)
              for r in ranks}
     writers = {(u.key, u.box.offset): r for r, p in plans.items() for u in p.units}
     units = [dataclasses.replace(u, writer=writers.get((u.key, u.box.offset), -1))

@@ -75,8 +75,8 @@ from elastor_mcore.checkpoint import comm  # noqa: E402
 from elastor_mcore.checkpoint import reader  # noqa: E402
 from elastor_mcore.checkpoint.format import DTYPE_ITEMSIZE, Manifest  # noqa: E402
 from elastor_mcore.checkpoint.plan import (  # noqa: E402
-    NO_REPLICAS, LocalShard, Replicas, WritePlan, held_bytes, merge, merge_entries, plan_disjoint,
-    plan_owned, plan_tensors, route)
+    NO_REPLICAS, LocalPlan, LocalShard, Replicas, merge_entries, plan_disjoint, plan_owned,
+    plan_tensors, route)
 from elastor_mcore.checkpoint.reader import LoadRequest  # noqa: E402
 from elastor_mcore.config.recipe import Recipe, load_recipe  # noqa: E402
 from elastor_mcore.geometry import ShardInfo, common_refinement  # noqa: E402
@@ -88,7 +88,9 @@ from elastor_mcore.parallel.shards import (  # noqa: E402
 from elastor_mcore.planner import PlannerError, load_hardware, plan  # noqa: E402
 from elastor_mcore.runtime.distributed_optimizer import file_cuts, rank_buckets  # noqa: E402
 from elastor_mcore.runtime.grad_sync import reduction_plan, spans_stages  # noqa: E402
-from elastor_mcore.runtime.state import chunk_policy  # noqa: E402
+from elastor_mcore.runtime.state import ADAM_MOMENTS, chunk_policy  # noqa: E402
+from elastor_mcore.integrations.megatron_lm.zero_optimizer import (  # noqa: E402
+    MAIN_PARAM, STATE_PREFIX)
 
 GPUS_PER_NODE = 8
 UNIFORM = {  # model: (TP, layers per stage); DP fills the world
@@ -265,11 +267,15 @@ State = Callable[[int], list[ShardInfo]]
 """A rank's checkpointed state (its ShardInfos), by rank."""
 
 
-def state_of(recipe: Recipe, layout: Layout, zero1: bool = False) -> State:
+def state_of(recipe: Recipe, layout: Layout, zero1: bool = False,
+             megatron_lm: bool = False) -> State:
     """Each rank's training state as ``runtime.state.state_shards`` checkpoints it:
     the fp32 main weights and AdamW's two moments of its stage's ShardedTensors
     (``layout_shard_infos``, replicated over data parallelism); under ZeRO-1 only the
-    rows of them its ``ShardPlan`` owns (``Zero1State``)."""
+    rows of them its ``ShardPlan`` owns (``Zero1State``); what Megatron-LM's zarr saves
+    hold (``MegatronLMState``)."""
+    if megatron_lm:
+        return MegatronLMState(recipe, layout)
     if not zero1:
         return functools.partial(layout_shard_infos, recipe.model, layout)
     return Zero1State(recipe, layout)
@@ -282,8 +288,9 @@ class Zero1State:
     saves pass (``Replicas.grid``, ``runtime.state.state_replicas``); derived once per
     replica class, whose members hold the same cells and cut the same buckets."""
 
-    def __init__(self, recipe: Recipe, layout: Layout) -> None:
-        self.recipe, self.layout = recipe, layout
+    def __init__(self, recipe: Recipe, layout: Layout,
+                 prefixes: tuple[str, ...] = ADAM_STATE_PREFIXES) -> None:
+        self.recipe, self.layout, self.prefixes = recipe, layout, prefixes
         self.placement, self.policy = Placement(layout), chunk_policy(recipe)
         self.first = {r: members[0] for members in replica_classes(layout) for r in members}
 
@@ -293,7 +300,7 @@ class Zero1State:
         cells, sets = rank_cells(self.placement, lead, tensors, False)
         shapes = {t.info.key: t.info.global_shape for t in tensors}
         grid = {prefix + key: cuts for key, cuts in file_cuts(cells, shapes).items()
-                for prefix in ADAM_STATE_PREFIXES}
+                for prefix in self.prefixes}
         return shapes, rank_buckets(cells, shapes, lambda h: sets[h].stages, lead,
                                     self.policy), grid
 
@@ -304,12 +311,66 @@ class Zero1State:
         shapes, mine, _ = self._lead(self.first[rank])
         return sorted((ShardInfo(prefix + f.cell.key, shapes[f.cell.key], f.box, "float32")
                        for bucket in mine for f in bucket.fragments(rank)
-                       for prefix in ADAM_STATE_PREFIXES), key=lambda info: info.key)
+                       for prefix in self.prefixes), key=lambda info: info.key)
+
+    def grid(self, rank: int) -> dict:
+        """The file grid of ``rank``'s tensors."""
+        return self._lead(self.first[rank])[2] if rank in self.first else {}
 
     def replicas(self, rank: int) -> Replicas:
         """What ``rank`` passes its saves and loads."""
-        grid = self._lead(self.first[rank])[2] if rank in self.first else {}
-        return Replicas(disjoint=True, grid=grid)
+        return Replicas(disjoint=True, grid=self.grid(rank))
+
+
+MEGATRON_ZERO1_PREFIXES = tuple(f"{STATE_PREFIX}.{name}." for name in (MAIN_PARAM, *ADAM_MOMENTS))
+"""The keys of Elastor's ZeRO-1 state in Megatron-LM's checkpoints
+(``ZeroMegatronOptimizer.sharded_state_dict``, ``zero_optimizer.checkpoint_grid``)."""
+
+
+class MegatronLMState:
+    """What Megatron-LM's zarr saves hold on a heterogeneous layout under
+    ``--use-distributed-optimizer`` (Elastor's ZeRO-1 behind Megatron's optimizer):
+    each rank's bf16 model weights, the same on every member of its replica class,
+    and its own rows of the fp32 main weights and moments under Megatron's keys, on
+    their file grid; with the replicas ``zarr_format.state_replicas`` passes (the
+    classes, and the grid of the rank's own state) and the named files a rank offers
+    (``megatron_dir``): each class's first member its stage's ``rng_state``
+    ShardedObject, rank 0 also ``common.pt``."""
+
+    def __init__(self, recipe: Recipe, layout: Layout) -> None:
+        self.model, self.layout = recipe.model, layout
+        self.zero1 = Zero1State(recipe, layout, MEGATRON_ZERO1_PREFIXES)
+        self.classes = replica_classes(layout)
+
+    @functools.cache
+    def _weights(self, lead: int) -> list[ShardInfo]:
+        return layout_shard_infos(self.model, self.layout, lead, "bfloat16", ("",))
+
+    @functools.cache
+    def __call__(self, rank: int) -> list[ShardInfo]:
+        if rank not in self.zero1.first:
+            return []
+        return sorted([*self._weights(self.zero1.first[rank]), *self.zero1(rank)],
+                      key=lambda info: info.key)
+
+    @functools.cache
+    def _replicas(self, lead: int) -> Replicas:
+        return Replicas(self.classes, grid=self.zero1.grid(lead))
+
+    def replicas(self, rank: int) -> Replicas:
+        """What ``rank`` passes its saves and loads (the members of a class hold the
+        same cells, so the same grid)."""
+        return self._replicas(self.zero1.first.get(rank, rank))
+
+    def files(self, rank: int) -> list[str]:
+        position = self.layout.position(rank)
+        if position is None or self.zero1.first[rank] != rank:
+            return ["common.pt"] if rank == self.layout.ranks[0] else []
+        stage = self.layout.pipelines[position.pipeline].stages[position.stage]
+        stages = len(self.layout.pipelines[position.pipeline].stages)
+        name = (f"megatron_objects/rng_state/shard_{position.stage}.{position.tp_rank}_"
+                f"{stages}.{stage.tp}.pt")
+        return [name, "common.pt"] if rank == self.layout.ranks[0] else [name]
 
 
 def page_cache(rank: int) -> str:
@@ -366,17 +427,32 @@ def receive(clock: RankClock, rank: int, inbox: dict[int, bytes]) -> dict[int, A
     return clock.run(rank, lambda: {s: pickle.loads(b) for s, b in sorted(inbox.items())})
 
 
+RankReplicas = Callable[[int], Replicas]
+"""What each rank passes its saves and loads (the same classes on every rank; a
+rank's grid, of mixed state, its own tensors')."""
+
+
+def per_rank(replicas: Replicas | RankReplicas) -> RankReplicas:
+    return replicas if callable(replicas) else (lambda rank: replicas)
+
+
 def save_case(recipe: Recipe, layout: Layout, state: State,
-              replicas: Replicas = NO_REPLICAS) -> dict[str, Any]:
+              replicas: Replicas | RankReplicas = NO_REPLICAS,
+              files: Callable[[int], list[str]] = lambda rank: []) -> dict[str, Any]:
     """``writer._write_checkpoint``'s planning, step by step as the real code runs it
-    (``writer.plan_save``, then the finish), every rank simulated. The writer balance
-    is the largest writer's bytes over the mean writer's."""
+    (``writer.plan_save``: each rank's ``plan.LocalPlan``, the owners' ``plan_owned``,
+    each rank's merge; then the finish), every rank simulated, each offering its
+    named ``files``. The writer balance is the largest writer's bytes over the mean
+    writer's."""
     ranks = list(layout.ranks)
-    policy = chunk_policy(recipe)
+    policy, of = chunk_policy(recipe), per_rank(replicas)
     sim, clock = SimComm(ranks), RankClock()
-    outbox = exchange_to_owners(layout, state, clock, lambda r, infos: {
-        owner: (held_bytes(infos), mine)
-        for owner, mine in route(infos, ranks, replicas.sends(r), replicas.columns).items()})
+    local: dict[int, LocalPlan] = {}
+
+    def requests(rank: int, infos: list) -> dict:
+        local[rank] = LocalPlan.build(rank, infos, ranks, policy, of(rank), files(rank))
+        return local[rank].requests
+    outbox = exchange_to_owners(layout, state, clock, requests)
     sim.exchange("plan", outbox)
     replies: dict[int, dict[int, bytes]] = {}
     owned: dict[int, list] = {}
@@ -384,36 +460,37 @@ def save_case(recipe: Recipe, layout: Layout, state: State,
     for owner, inbox in outbox.items():
         received = receive(clock, owner, inbox)
         parts, owned[owner] = clock.run(owner, lambda: plan_owned(
-            received, ranks, ranks.index(owner), policy, replicas))
+            received, ranks, ranks.index(owner), policy, of(owner)))
         for rank, blob in clock.run(owner, lambda: comm.pickled(parts)).items():
             replies.setdefault(rank, {})[owner] = blob
         for part in parts.values():
             entries.update(part.entries)
     del outbox
     sim.exchange("plan", replies)
-    writers: dict[tuple, int] = {}
-    wrote = 0
+    written, named, units = [], [], 0
     for rank in ranks:
         parts = receive(clock, rank, replies.pop(rank, {}))
-        infos = state(rank)
-        plan = clock.run(rank, lambda: merge(rank, parts.values(), owned.get(rank, ()),
-                                             replicas, infos))
+        plan = clock.run(rank, lambda: local[rank].merged(
+            parts.values(), owned.get(rank, ()), of(rank)))
+        del local[rank]
         assert plan.mismatch is None, (rank, plan.mismatch)
-        writers.update({(u.key, u.box.offset): rank for u in plan.units})
-        wrote += bool(plan.units)
-    sim.all_reduce("finish", 16)
+        written.append(sum(u.nbytes for u in plan.units))
+        named += plan.files
+        units += len(plan.units)
+    assert units == sum(e.num_files for e in entries.values()), "a file written twice or never"
+    sim.all_reduce("finish", 24)
     manifest_s, text = cpu(lambda: Manifest.build(
-        0, entries, wrote, {"layout": layout.to_dict()}).to_json())
+        0, entries, sum(1 for n in written if n), {"layout": layout.to_dict()}).to_json())
     sim.broadcast("finish", None)
-    whole = WritePlan(entries, [dataclasses.replace(u, writer=writers[u.key, u.box.offset])
-                                for units in owned.values() for u in units])
-    loads = whole.bytes_by_rank()
-    writers_bytes = [n for n in loads.values() if n]
+    offered = {name for rank in ranks for name in files(rank)}
+    assert sorted(named) == sorted(offered), "a named file written twice or never"
+    writers_bytes = [n for n in written if n]
     return {"ranks": len(ranks), **clock.summary(), **sim.summary(),
-            "columns": replicas.columns, "coordinator_manifest_s": manifest_s, "manifest_bytes": len(text),
-            "tensors": len(whole.entries), "files": len(whole.units) + len(whole.entries) + 2,
+            "columns": of(ranks[0]).columns, "coordinator_manifest_s": manifest_s,
+            "manifest_bytes": len(text), "tensors": len(entries),
+            "files": units + len(entries) + len(named) + 2, "named_files": len(named),
             "writer_balance": max(writers_bytes) / statistics.mean(writers_bytes),
-            "bytes": sum(e.nbytes for e in whole.entries.values())}
+            "bytes": sum(e.nbytes for e in entries.values())}
 
 
 def disjoint_save_case(recipe: Recipe, layout: Layout, state: Zero1State) -> dict[str, Any]:
@@ -467,7 +544,7 @@ def disjoint_save_case(recipe: Recipe, layout: Layout, state: Zero1State) -> dic
 
 
 def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any],
-              replicas: Replicas = NO_REPLICAS) -> dict[str, Any]:
+              replicas: Replicas | RankReplicas = NO_REPLICAS) -> dict[str, Any]:
     """``reader._load``'s planning, then the agreement after the reads, every rank
     simulated; the pieces (``reader.class_pieces`` of a class member, from the saved
     checkpoint's ``entries``) and ``SharedReads.build`` (views into the targets: meta
@@ -475,12 +552,14 @@ def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any
     each member's ``reader.class_peers`` (point to point within its class, counted in
     the bytes but not as a job-wide call), a rank in no class being a class of its own;
     with disjoint state (ZeRO-1) the announcement alone, each rank reading its own
-    targets; without: ``reader.plan_load``."""
+    targets, as of the grid's tensors of mixed state (``reader.class_load_pieces``);
+    without: ``reader.plan_load``."""
     ranks = list(layout.ranks)
     coordinator = ranks[0]
     sim, clock = SimComm(ranks), RankClock()
     step_dir = "/checkpoints/step_00000000"
-    infos_of = state
+    infos_of, of = state, per_rank(replicas)
+    replicas = of(coordinator)  # the classes, the same on every rank
     classes = bool(replicas.sharing) or replicas.disjoint
     peers: dict[int, reader.ClassPeers] = {}
     replies: dict[int, dict[int, bytes]] = {}
@@ -489,7 +568,8 @@ def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any
         names = {}
         for rank in (r for r in ranks if len(replicas.of(r)[0]) > 1):
             infos = infos_of(rank)
-            names[rank] = clock.run(rank, lambda: reader.peer_names(infos, page_cache(rank)))
+            names[rank] = clock.run(rank, lambda: reader.peer_names(
+                of(rank).split(infos)[0], page_cache(rank)))
         each = {r: 16 * (len(replicas.of(r)[0]) - 1) for r in names}
         sim.point_to_point(each, each)
         for rank in ranks:
@@ -528,7 +608,8 @@ def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any
         targets = [LocalShard(i.key, i.global_shape, i.box.offset,
                               torch.empty(i.box.shape, device="meta")) for i in infos]
         seconds, shared = cpu(lambda: reader.SharedReads.build(
-            rank, targets, reader.class_pieces(rank, infos, entries, peers[rank])
+            rank, targets, reader.class_load_pieces(rank, infos, entries, peers[rank],
+                                                    of(rank))
             if classes else [p for part, _ in parts.values() for p in part]))
         built[rank] = seconds
         read_bytes.append(shared.read_bytes)
@@ -537,19 +618,22 @@ def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any
             "columns": replicas.columns, "classes": classes,
             "classes_of_one": sum(len(replicas.of(r)[0]) < 2 for r in ranks) if classes else 0,
             "read_bytes_max_sampled": max(read_bytes),
-            **storage_copies(state, replicas, ranks, classes)}
+            **storage_copies(state, of, ranks, classes)}
 
 
-def storage_copies(state: State, replicas: Replicas, ranks: list[int],
+def storage_copies(state: State, of: RankReplicas, ranks: list[int],
                    classes: bool) -> dict[str, float]:
     """How many times storage serves each byte of a load (docs/checkpoint-format.md,
     "Replicas"): with ``classes``, once per class holding it (a rank in no class, or
-    each rank of disjoint state, a class of its own: once, if the state is disjoint
-    indeed); the most for any byte and the bytes served over the bytes loaded.
-    Without classes the owners' plan reads each byte once."""
+    each rank of disjoint state or of a grid's tensors, a class of its own: once, if
+    the state is disjoint indeed); the most for any byte and the bytes served over
+    the bytes loaded. Without classes the owners' plan reads each byte once."""
     if not classes:
         return {"storage_copies_max": 1, "storage_served_over_loaded": 1.0}
-    holders = {first: state(first) for first in sorted({replicas.of(r)[0][0] for r in ranks})}
+    holders = {}
+    for rank in ranks:
+        shared, alone = of(rank).split(state(rank))
+        holders[rank] = (shared if of(rank).of(rank)[0][0] == rank else []) + alone
     dtypes = {i.key: i.dtype for infos in holders.values() for i in infos}
     served = unique = most = 0
     for cell in common_refinement(holders):
@@ -644,7 +728,13 @@ def replicas_of(layout: Layout, replicated: bool, zero1: bool = False) -> Replic
 
 
 def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
-        only: set[str], replicated: bool = True, zero1: bool = False) -> list[dict]:
+        only: set[str], replicated: bool = True, zero1: bool = False,
+        megatron_lm: bool = False) -> list[dict]:
+    """Every case of ``models`` x ``worlds`` x ``lost``. With ``megatron_lm`` the
+    state of Megatron-LM's zarr saves under Elastor's ZeRO-1 (``MegatronLMState``),
+    on the failure layouts only: on a uniform layout Megatron-LM's own distributed
+    optimizer runs, whose state Megatron shards over data parallelism, planned per
+    tensor (``zarr_format.state_replicas``)."""
     rows = []
     for name in models:
         base = load_recipe(REPO / "recipes" / f"{name}.yaml")
@@ -657,9 +747,10 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                 continue
             recipe, layout = built
             row: dict[str, Any] = {"model": name, "world": world, "zero1": zero1,
+                                   "megatron_lm": megatron_lm,
                                    "uniform": layout.describe()[:80]}
             entries: dict[str, Any] = {}
-            if {"uniform", "save"} <= only:
+            if {"uniform", "save"} <= only and not megatron_lm:
                 state = state_of(recipe, layout, zero1)
                 row["save_uniform"] = (disjoint_save_case(recipe, layout, state)
                                        if zero1 and replicated
@@ -678,15 +769,20 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                 if hetero is not None:
                     replicas_s, replicas = cpu(lambda: replicas_of(hetero, replicated, zero1))
                     case["replicas_s"] = replicas_s
-                    state = state_of(recipe, hetero, zero1)
+                    state = state_of(recipe, hetero, zero1, megatron_lm)
+                    if megatron_lm:
+                        replicas = state.replicas
                     if "save" in only:
-                        case["save"] = (disjoint_save_case(recipe, hetero, state)
-                                        if zero1 and replicated
-                                        else save_case(recipe, hetero, state, replicas))
+                        case["save"] = (
+                            disjoint_save_case(recipe, hetero, state)
+                            if zero1 and replicated
+                            else save_case(recipe, hetero, state, replicas,
+                                           state.files if megatron_lm else lambda rank: []))
                         report(name, world, f"save lost {k}", case["save"])
                     if "load" in only:
                         entries = entries or saved_entries(
-                            recipe, layout, state_of(recipe, layout, zero1), zero1)
+                            recipe, layout, state_of(recipe, layout, zero1, megatron_lm),
+                            zero1 or megatron_lm)
                         case["load"] = load_case(hetero, state, samples, entries, replicas)
                         report(name, world, f"load lost {k}", case["load"])
                     if "grad" in only:
@@ -821,6 +917,11 @@ def main() -> int:
                         help="the state under the distributed optimizer (the recipes' "
                              "distributed_optimizer: true): each rank holds its own rows "
                              "of the main weights and moments, none replicated")
+    parser.add_argument("--megatron-lm", action="store_true",
+                        help="the state of Megatron-LM's zarr saves under Elastor's ZeRO-1 "
+                             "(bf16 weights replicated over the replica classes, ZeRO-1's "
+                             "state on its grid, ShardedObjects as named files), on the "
+                             "failure layouts")
     parser.add_argument("--table", nargs="+", metavar="JSON",
                         help="print the tables of earlier runs' JSON files and exit")
     parser.add_argument("--planner-table", nargs="+", metavar="JSON",
@@ -845,7 +946,7 @@ def main() -> int:
     gc.disable()
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],
                [int(k) for k in args.lost.split(",")], args.samples,
-               set(args.only.split(",")), not args.no_replicas, args.zero1)
+               set(args.only.split(",")), not args.no_replicas, args.zero1, args.megatron_lm)
     Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
     print(f"written {args.out}")
     return 0

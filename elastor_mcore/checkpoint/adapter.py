@@ -20,7 +20,7 @@ from typing import Any
 
 from elastor_mcore.checkpoint import comm
 from elastor_mcore.checkpoint.format import CheckpointError, ChunkPolicy
-from elastor_mcore.checkpoint.plan import LocalShard
+from elastor_mcore.checkpoint.plan import NO_REPLICAS, LocalShard, Replicas
 from elastor_mcore.checkpoint.reader import load
 from elastor_mcore.checkpoint.writer import SaveResult, write_checkpoint
 
@@ -29,8 +29,10 @@ log = logging.getLogger(__name__)
 
 def save_sharded_state_dict(sharded_state_dict: dict, path: str | os.PathLike, *,
                             step: int = 0, manifest_extra: dict[str, Any] | None = None,
-                            group=None, chunking: ChunkPolicy | None = None) -> SaveResult:
+                            group=None, chunking: ChunkPolicy | None = None,
+                            replicas: Replicas = NO_REPLICAS) -> SaveResult:
     """Save into exactly ``path`` (like ``dist_checkpointing.save``), atomically.
+    ``replicas``: which ranks hold the same tensors (``checkpoint.Replicas``).
 
     Applies factories in place, as ``dist_checkpointing.save`` does.
     """
@@ -43,14 +45,25 @@ def save_sharded_state_dict(sharded_state_dict: dict, path: str | os.PathLike, *
         stored.update(rank_objects)
     extra = dict(manifest_extra or {})
     extra["objects"] = {**extra.get("objects", {}), **stored}
-    return write_checkpoint(path, step, shards, extra, group, chunking)
+    return write_checkpoint(path, step, shards, extra, group, chunking, replicas=replicas)
+
+
+def local_shards(sharded_state_dict: dict) -> list[LocalShard]:
+    """The ShardedTensors of a state dict whose factories are applied and whose
+    ShardedObjects were taken out (``megatron_dir`` stores those as files), as
+    ``LocalShard``s."""
+    shards, objects = _collect(sharded_state_dict)
+    if objects:
+        raise ValueError(f"{len(objects)} ShardedObject(s), e.g. {objects[0].unique_key}, "
+                         f"left among the tensors; take them out first")
+    return shards
 
 
 def load_sharded_state_dict(sharded_state_dict: dict, path: str | os.PathLike, *,
-                            group=None) -> dict:
+                            group=None, replicas: Replicas = NO_REPLICAS) -> dict:
     """Fill the state dict's tensors in place from ``path`` (a step directory or a
     root) and return it with plain values, factories merged (like
-    ``dist_checkpointing.load``)."""
+    ``dist_checkpointing.load``); ``replicas`` as ``checkpoint.load`` takes them."""
     from megatron.core.dist_checkpointing.dict_utils import (
         dict_list_map_inplace, extract_matching_values)
     from megatron.core.dist_checkpointing.mapping import (
@@ -64,7 +77,7 @@ def load_sharded_state_dict(sharded_state_dict: dict, path: str | os.PathLike, *
         return_lists_as_dicts=True)
     apply_factories(sharded_state_dict)
     shards, objects = _collect(sharded_state_dict)
-    manifest = load(path, shards, group)
+    manifest = load(path, shards, group, replicas)
     for obj in objects:
         if obj.unique_key in manifest.objects:
             obj.data = manifest.objects[obj.unique_key]

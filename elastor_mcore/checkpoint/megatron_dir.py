@@ -5,12 +5,13 @@ Megatron-LM hands ``dist_checkpointing.save`` one state dict holding ShardedTens
 (model, optimizer), ShardedObjects (RNG, extra state) and plain values (args,
 iteration, scheduler). Here each goes where it fits:
 
-* ShardedTensors: the elastor zarr checkpoint (``checkpoint.save_sharded_state_dict``),
+* ShardedTensors: the elastor zarr checkpoint (``checkpoint.write_checkpoint``),
   every global tensor once, loadable by any layout;
 * plain values: ``common.pt`` written by rank 0, and ShardedObjects: one
-  ``megatron_objects/<unique_key>.pt`` per object written by its main replica, both
-  ``torch.save`` files as mcore's own torch_dist format stores them (Megatron's args
-  hold dtypes and callables, which JSON cannot);
+  ``megatron_objects/<unique_key>.pt`` per object written by one of its main
+  replicas, both ``torch.save`` files as mcore's own torch_dist format stores them
+  (Megatron's args hold dtypes and callables, which JSON cannot), committed with the
+  tensors (the writer's named files: one plan step and one finish for all of it);
 * ``metadata.json`` last, with ``sharded_backend: elastor_zarr``: Megatron-LM's format
   detection sees a distributed checkpoint, and the patched ``load`` tells it from
   torch_dist by this marker. A directory without it never loads.
@@ -40,10 +41,12 @@ from typing import Any
 
 import torch
 
-from elastor_mcore.checkpoint import (
-    ChunkPolicy, comm, load_sharded_state_dict, save_sharded_state_dict)
+from elastor_mcore.checkpoint import comm
+from elastor_mcore.checkpoint.adapter import load_sharded_state_dict, local_shards
+from elastor_mcore.checkpoint.format import ChunkPolicy
+from elastor_mcore.checkpoint.plan import NO_REPLICAS, Replicas
 from elastor_mcore.checkpoint.storage import Location, as_path, retrying, storage_for
-from elastor_mcore.checkpoint.writer import prune_oldest
+from elastor_mcore.checkpoint.writer import prune_oldest, write_checkpoint, write_file
 
 log = logging.getLogger(__name__)
 
@@ -139,58 +142,44 @@ def _prepare(sharded_state_dict: dict, content_metadata: dict | None, *,
 
 
 def _write(prepared: _Prepared, path: Location, settings: ZarrSaveSettings,
-           group=None) -> None:
-    save_sharded_state_dict(prepared.tensors, path, step=prepared.step,
-                            manifest_extra=settings.manifest_extra,
-                            chunking=settings.chunking, group=group)
-    mine = _written_here(prepared.objects, group)  # collective: before any write fails
-    error = None
-    try:
-        if comm.is_coordinator(group):
-            _write_bytes(prepared.common, path / COMMON_FILE)
-        for key, data in mine.items():
-            _write_bytes(data, _object_file(path, key))
-    except Exception as exc:  # any storage error, raised on every rank by agree
-        error = exc
-    comm.agree(error, f"saving Megatron-LM state to {path}", group)
-
-    error = None
+           replicas: Replicas, group=None) -> None:
+    """One save in the writer's two job-wide steps: the tensors, ``common.pt`` (the
+    coordinator's) and the ShardedObjects' files (one writer each among their main
+    replicas, chosen in the plan step) are committed together, then ``metadata.json``
+    is written and old iterations pruned."""
+    files = {f"{OBJECTS_DIR}/{key}.pt": data for key, data in prepared.objects.items()}
     if comm.is_coordinator(group):
-        try:
-            write_config(path)
-            if settings.keep:
-                prune(path.parent, settings.keep, path)
-        except Exception as exc:  # any storage error, raised on every rank by agree
-            error = exc
-    comm.agree(error, f"committing {path}", group)
-    log.info("saved Megatron-LM checkpoint %s in the elastor zarr format", path)
+        files[COMMON_FILE] = prepared.common
 
+    def finish() -> None:
+        write_config(path)
+        if settings.keep:
+            prune(path.parent, settings.keep, path)
 
-def _written_here(objects: dict[str, bytes], group=None) -> dict[str, bytes]:
-    """The objects this rank writes: the lowest rank holding one as main replica.
-    Under a heterogeneous layout stages of different TP hold the same object (e.g. a
-    layer's ``_extra_state``) without being data-parallel replicas of each other, so
-    several ranks are its main replica; one write per file avoids racing renames."""
-    me = comm.global_rank()
-    writer: dict[str, int] = {}
-    for rank, keys in comm.all_gather((me, sorted(objects)), group):
-        for key in keys:
-            writer.setdefault(key, rank)
-    return {key: data for key, data in objects.items() if writer[key] == me}
+    result = write_checkpoint(path, prepared.step, local_shards(prepared.tensors),
+                              settings.manifest_extra, group, settings.chunking,
+                              on_commit=finish, replicas=replicas, files=files)
+    log.info("saved Megatron-LM checkpoint %s in the elastor zarr format: %d job-wide "
+             "calls, %d replica classes, %d tensors on a grid", path, result.calls,
+             len(replicas.classes), len(replicas.grid or {}))
 
 
 def save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
-         settings: ZarrSaveSettings, *, content_metadata: dict | None = None) -> None:
+         settings: ZarrSaveSettings, *, content_metadata: dict | None = None,
+         replicas: Replicas = NO_REPLICAS) -> None:
     """Save a Megatron-LM state dict into ``checkpoint_dir`` (collective, every rank).
+    ``replicas``: which ranks hold the same tensors (``checkpoint.Replicas``, from the
+    layout), so that the plan follows the distinct shards, not their copies.
 
     The directory is replaced atomically; ``metadata.json`` is written last.
     """
     _write(_prepare(sharded_state_dict, content_metadata, snapshot=False),
-           as_path(checkpoint_dir), settings)
+           as_path(checkpoint_dir), settings, replicas)
 
 
 def async_save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
-               settings: ZarrSaveSettings, *, content_metadata: dict | None = None):
+               settings: ZarrSaveSettings, *, content_metadata: dict | None = None,
+               replicas: Replicas = NO_REPLICAS):
     """Start a save that overlaps training; returns mcore's ``AsyncRequest``.
 
     Tensors are copied to host memory and everything else serialised before this
@@ -209,7 +198,7 @@ def async_save(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike,
 
     def run() -> None:
         try:
-            _write(prepared, as_path(checkpoint_dir), settings, group)
+            _write(prepared, as_path(checkpoint_dir), settings, replicas, group)
         except BaseException as exc:  # re-raised by finalize on the caller's thread
             errors.append(exc)
         finally:
@@ -245,7 +234,8 @@ def _background_group():
     return _BACKGROUND_GROUP
 
 
-def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
+def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike, *,
+         replicas: Replicas = NO_REPLICAS) -> dict:
     """Load ``sharded_state_dict`` (any layout) and return the full state dict: common
     values, ShardedObjects and tensors, factories merged. Host tensors are filled in
     place; device tensors come back in host buffers, which Megatron-LM copies into
@@ -279,7 +269,7 @@ def load(sharded_state_dict: dict, checkpoint_dir: str | os.PathLike) -> dict:
     dict_list_map_inplace(lambda v: read_object(v) if isinstance(v, ShardedObject) else v,
                           objects)
     _on_host(tensors, copy=False)
-    loaded = load_sharded_state_dict(tensors, path)
+    loaded = load_sharded_state_dict(tensors, path, replicas=replicas)
     merge(loaded, objects)
     merge(common, loaded)
     return common
@@ -339,7 +329,7 @@ def object_files(checkpoint_dir: str | os.PathLike) -> dict[str, Location]:
 
 def write_torch(value: Any, file: str | os.PathLike) -> None:
     """``torch.save`` into ``file``, a local path or an object-store URL."""
-    _write_bytes(_serialise(value), as_path(file))
+    write_file(as_path(file), _serialise(value))
 
 
 def read_torch(file: str | os.PathLike) -> Any:
@@ -354,9 +344,3 @@ def _serialise(value: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
-
-
-def _write_bytes(data: bytes, file: Location) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    storage_for(file).write_durably(file, data)
-

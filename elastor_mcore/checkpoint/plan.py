@@ -105,6 +105,9 @@ class WritePlan:
     mismatch: str | None = None
     """Why the cells this rank was told do not tile its shards (``uncovered``): its
     part of the save fails, and so the save."""
+    files: tuple[str, ...] = ()
+    """The named files (beside the arrays) this rank writes: each chosen by its owner
+    among the ranks that offered it (``plan_owned``)."""
 
     def bytes_by_rank(self) -> dict[int, int]:
         load: dict[int, int] = {}
@@ -120,6 +123,17 @@ class WritePlan:
     def created_entries(self) -> dict[str, TensorEntry]:
         """The entries of the arrays whose metadata this rank creates (``creates``)."""
         return {key: self.entries[key] for key in self.creates}
+
+    def joined(self, other: "WritePlan") -> "WritePlan":
+        """This plan and ``other``'s, of other tensors, as one: a save of mixed state
+        (``Replicas.grid`` with classes) joins the replicated tensors' plan and this
+        rank's plan of its disjoint ones."""
+        return WritePlan(dict(sorted({**self.entries, **other.entries}.items())),
+                         sorted([*self.units, *other.units],
+                                key=lambda u: (u.key, u.box.offset)),
+                         tuple(sorted({*self.creates, *other.creates})),
+                         (*self.owned, *other.owned), self.mismatch or other.mismatch,
+                         tuple(sorted({*self.files, *other.files})))
 
 
 def merge_entries(parts: Iterable[Mapping[str, TensorEntry]]) -> dict[str, TensorEntry]:
@@ -177,12 +191,16 @@ class Replicas:
     storage, with no owner planning their reads (a load stays right if some bytes are
     shared after all: storage then serves them once per rank that holds them).
 
-    ``grid`` (with ``disjoint``): per tensor this rank holds, the cut points along each
-    dim (0 and the extent included) of the boxes its layout holds it in unsharded,
-    the same on every rank that holds it: a save then plans nothing across ranks
-    (``plan_disjoint``), each rank writing its own shards in the files
-    ``format.choose_entry`` gives for these cuts, which its shards must be unions
-    of (ZeRO-1 cuts its segments there: ``runtime.distributed_optimizer.file_rows``)."""
+    ``grid``: per tensor this rank holds that no two ranks hold the same bytes of, the
+    cut points along each dim (0 and the extent included) of the boxes its layout
+    holds it in unsharded, the same on every rank that holds it. Each rank writes its
+    own shards of these tensors in the files ``format.choose_entry`` gives for these
+    cuts, which its shards must be unions of (ZeRO-1 cuts its segments there:
+    ``runtime.distributed_optimizer.file_rows``), and reads its own targets of them,
+    no owner planning either (``plan_disjoint``). With ``disjoint`` every tensor is in
+    the grid and a save plans nothing across ranks; with ``classes`` (mixed state:
+    Megatron-LM's model weights replicated over the classes beside ZeRO-1's optimizer
+    state) the tensors outside the grid are planned over the classes."""
 
     classes: tuple[tuple[int, ...], ...] = ()
     disjoint: bool = False
@@ -192,10 +210,12 @@ class Replicas:
         if self.disjoint and self.classes:
             raise CheckpointError(
                 "replicas: disjoint state has no replica classes; pass either the "
-                "classes (replicated state) or disjoint=True (ZeRO-1), not both")
-        if self.grid is not None and not self.disjoint:
+                "classes (replicated state, with a grid of the disjoint tensors where "
+                "some are) or disjoint=True (ZeRO-1), not both")
+        if self.grid is not None and not (self.disjoint or self.classes):
             raise CheckpointError(
-                "replicas: a grid describes disjoint state; pass disjoint=True with it")
+                "replicas: a grid names disjoint tensors; pass disjoint=True with it "
+                "(all the state disjoint) or the replica classes of the other tensors")
         seen: set[int] = set()
         for members in self.classes:
             if not members or list(members) != sorted(set(members)) or seen & set(members):
@@ -218,7 +238,7 @@ class Replicas:
     def fingerprint(self) -> int:
         """A 20-bit name of the classes (or of ``disjoint``), the same in every process:
         a load checks that every rank passed the same ones (``comm.Comm.announce``)."""
-        text = "disjoint" if self.disjoint else repr(self.classes)
+        text = "disjoint" if self.disjoint else repr((self.classes, self.grid is not None))
         digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
         return int.from_bytes(digest, "little") >> 12
 
@@ -228,6 +248,14 @@ class Replicas:
         through the tensors' owners; with some, the other ranks (classes of their own)
         read their own targets."""
         return sum(len(members) for members in self.classes if len(members) > 1)
+
+    def split(self, infos: Sequence[ShardInfo]) -> tuple[list[ShardInfo], list[ShardInfo]]:
+        """``infos`` as (those the classes share, those this rank holds alone: all of
+        them with ``disjoint``, else the grid's)."""
+        if self.disjoint:
+            return [], list(infos)
+        grid = self.grid or {}
+        return ([i for i in infos if i.key not in grid], [i for i in infos if i.key in grid])
 
     def check(self, ranks: Sequence[int]) -> None:
         """Raise ``CheckpointError`` naming a class member outside the group."""
@@ -512,13 +540,77 @@ def metadata_creators(plan: WritePlan) -> dict[str, int]:
     return {u.key: u.writer for u in plan.units if not any(u.box.offset)}
 
 
+Request = tuple[int, Sequence[ShardInfo], Sequence[str], Mapping[str, TensorEntry]]
+"""What a rank of a save sends an owner (its local plan, ``requests``): what it holds
+in all (``held_bytes``, the weight of its writes), its shards of the owner's tensors,
+the named files it offers to write whose owner this is (``owner_of`` each name) and,
+to the coordinator only, the entries of the arrays it created alone (the disjoint
+tensors of mixed state, ``plan_disjoint``)."""
+
+
+def requests(rank: int, infos: Sequence[ShardInfo], ranks: Sequence[int], total: int,
+             replicas: Replicas = NO_REPLICAS, files: Iterable[str] = (),
+             alone: WritePlan | None = None) -> dict[int, Request]:
+    """What a rank of a save sends, by destination: its shards of replicated tensors
+    (``infos``) to the owners of the columns it sends (``Replicas.sends``), the named
+    files it offers to the owners of their names (``route_files``), and the entries
+    its plan of its disjoint tensors (``alone``) creates to the coordinator.
+    ``total``: what it holds in all."""
+    out: dict[int, list] = {}
+
+    def to(owner: int) -> list:
+        return out.setdefault(owner, [total, [], [], {}])
+
+    for owner, mine in route(infos, ranks, replicas.sends(rank), replicas.columns).items():
+        to(owner)[1] = mine
+    for owner, names in route_files(files, ranks).items():
+        to(owner)[2] = names
+    if alone is not None and alone.creates:
+        to(ranks[0])[3] = alone.created_entries()
+    return {owner: tuple(request) for owner, request in out.items()}
+
+
+@dataclass
+class LocalPlan:
+    """A rank's side of a save's plan step (DCP's local plan): its ``requests`` to the
+    owners, its plan of the tensors it holds alone (the grid's, ``plan_disjoint``),
+    and, once the owners replied, its whole plan (``merged``)."""
+
+    rank: int
+    shared: list[ShardInfo]
+    """Its shards planned across ranks (the others are ``alone``'s)."""
+    alone: WritePlan | None
+    requests: dict[int, Request]
+
+    @staticmethod
+    def build(rank: int, infos: Sequence[ShardInfo], ranks: Sequence[int],
+              policy: ChunkPolicy, replicas: Replicas = NO_REPLICAS,
+              files: Iterable[str] = ()) -> "LocalPlan":
+        """``rank``'s local plan of a save of ``infos`` by ``ranks``, offering to
+        write ``files``; the grid's tensors (``Replicas.grid`` beside classes: mixed
+        state) planned alone (without a grid, the owners plan every tensor)."""
+        shared, alone = replicas.split(infos) if replicas.grid is not None else (
+            list(infos), [])
+        own = plan_disjoint(rank, alone, policy, replicas.grid) if alone else None
+        return LocalPlan(rank, shared, own, requests(rank, shared, ranks, held_bytes(infos),
+                                                      replicas, files, own))
+
+    def merged(self, parts: Iterable["Assignment"], owned: Sequence[WriteUnit] = (),
+               replicas: Replicas = NO_REPLICAS) -> WritePlan:
+        """The rank's plan from the owners' replies (``merge``), joined with its plan
+        of the tensors it holds alone."""
+        plan = merge(self.rank, parts, owned, replicas, self.shared)
+        return plan.joined(self.alone) if self.alone is not None else plan
+
+
 @dataclass(frozen=True)
 class Assignment:
     """What an owner tells one rank: the cells it holds of the owner's tensors, and
-    their entries (the coordinator gets every entry)."""
+    their entries (the coordinator gets every entry); the named files it writes."""
 
     entries: dict[str, TensorEntry]
     held: tuple[Held, ...] = ()
+    files: tuple[str, ...] = ()
 
 
 def assignments(entries: dict[str, TensorEntry], cells: Sequence[Cell],
@@ -543,19 +635,40 @@ def assignments(entries: dict[str, TensorEntry], cells: Sequence[Cell],
     return dict(sorted(out.items()))
 
 
-def plan_owned(received: dict[int, tuple[int, Sequence[ShardInfo]]], ranks: Sequence[int],
-               position: int, policy: ChunkPolicy, replicas: Replicas = NO_REPLICAS
+def plan_owned(received: dict[int, Request], ranks: Sequence[int], position: int,
+               policy: ChunkPolicy, replicas: Replicas = NO_REPLICAS
                ) -> tuple[dict[int, Assignment], list[WriteUnit]]:
     """An owner's part of a save's plan step, at ``position`` in ``ranks`` (the first
-    coordinates): from what the senders sent (``received``: what each holds in all,
-    and its shards of the tensors this rank owns a column of), each holder's part
-    (``assignments``) and, as an owner of column 0, its tensors' units
-    (``WritePlan.owned``). Raises ``CheckpointError`` where the shards disagree."""
+    coordinates): from what the senders sent (``received``), each holder's part
+    (``assignments``), each named file's writer (the lowest-ranked rank that offered
+    it) and, as an owner of column 0, its tensors' units (``WritePlan.owned``). Raises
+    ``CheckpointError`` where the shards disagree."""
     column = column_of(position, len(ranks), replicas.columns)
-    entries, cells = plan_tensors({r: m for r, (_, m) in received.items()}, policy)
-    parts = assignments(entries, cells, ranks[0], {r: t for r, (t, _) in received.items()},
-                        replicas, column)
-    return parts, file_units(entries, whole_cells(cells, replicas)) if not column else []
+    entries, cells = plan_tensors({r: m for r, (_, m, _, _) in received.items() if m}, policy)
+    parts = assignments(entries, cells, ranks[0],
+                        {r: t for r, (t, _, _, _) in received.items()}, replicas, column)
+    writers: dict[str, int] = {}
+    for rank in sorted(received):
+        for name in received[rank][2]:
+            writers.setdefault(name, rank)
+    for name, rank in sorted(writers.items()):
+        part = parts.get(rank, Assignment({}))
+        parts[rank] = dataclasses.replace(part, files=(*part.files, name))
+    created = merge_entries(request[3] for request in received.values())
+    if created:  # sent to the coordinator only: the manifest's disjoint arrays
+        part = parts.get(ranks[0], Assignment({}))
+        parts[ranks[0]] = dataclasses.replace(part, entries={**part.entries, **created})
+    owned = file_units(entries, whole_cells(cells, replicas)) if not column else []
+    return dict(sorted(parts.items())), owned
+
+
+def route_files(names: Iterable[str], ranks: Sequence[int]) -> dict[int, list[str]]:
+    """The named files a rank offers to write, by the owner that picks each one's
+    writer (``owner_of`` the name, over every rank)."""
+    out: dict[int, list[str]] = {}
+    for name in names:
+        out.setdefault(owner_of(name, ranks), []).append(name)
+    return out
 
 
 def whole_cells(cells: Iterable[Cell], replicas: Replicas = NO_REPLICAS) -> list[Cell]:
@@ -606,15 +719,18 @@ def merge(rank: int, parts: Iterable[Assignment], owned: Sequence[WriteUnit] = (
     its shards (``WritePlan.mismatch``)."""
     entries: dict[str, TensorEntry] = {}
     cells: list[Held] = []
+    files: list[str] = []
     for part in parts:
         entries.update(part.entries)
         cells.extend(part.held)
+        files.extend(part.files)
     index = replicas.of(rank)[1]
     held = files_of(cells, entries)
     units = sorted((WriteUnit(h.key, h.box, (), h.nbytes, rank)
                     for h, position in zip(held, writer_positions(held))
                     if position == h.position + index), key=lambda u: (u.key, u.box.offset))
-    plan = WritePlan(dict(sorted(entries.items())), units, owned=tuple(owned))
+    plan = WritePlan(dict(sorted(entries.items())), units, owned=tuple(owned),
+                     files=tuple(sorted(files)))
     plan.creates = tuple(sorted(metadata_creators(plan)))
     if infos is not None:
         plan.mismatch = uncovered(infos, entries, cells)

@@ -87,7 +87,9 @@ def load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard],
     every rank), the members of each class share their class's reads among
     themselves (``class_pieces``) and a rank in no class (a class of its own) reads
     its own targets; with ``Replicas(disjoint=True)`` (no bytes held twice: ZeRO-1)
-    each rank reads its own targets. Either way nothing is planned through owners.
+    each rank reads its own targets, and so it does of the tensors in the classes'
+    ``grid`` (mixed state: Megatron-LM's weights beside ZeRO-1's optimizer state).
+    Either way nothing is planned through owners.
     """
     with gc_paused():
         return _load(path_or_root, targets, group, replicas)
@@ -122,8 +124,8 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
         step_dir = ranks.announce(step_dir, error, what, replicas.fingerprint)
         members = replicas.of(ranks.rank)[0]
         # a class of one (disjoint state, or a rank in no class) reads its own targets
-        peers = (class_peers(ranks, members, infos, cache) if len(members) > 1
-                 else ClassPeers(members, {ranks.rank: 0}))
+        peers = (class_peers(ranks, members, replicas.split(infos)[0], cache)
+                 if len(members) > 1 else ClassPeers(members, {ranks.rank: 0}))
     else:
         step_dir, pieces = plan_load(ranks, infos, cache, step_dir, what, error, shares)
     step_dir = as_path(step_dir)
@@ -135,7 +137,7 @@ def _load(path_or_root: str | os.PathLike, targets: Sequence[LocalShard], group,
         manifest = read_manifest(step_dir)
         check_targets(step_dir, manifest, targets)
         if peers is not None:
-            pieces = class_pieces(ranks.rank, infos, manifest.tensors, peers)
+            pieces = class_load_pieces(ranks.rank, infos, manifest.tensors, peers, replicas)
         shared = SharedReads.build(ranks.rank, targets, pieces, group)
         read_boxes(step_dir, manifest, shared.reads, checked=True)
     except CheckpointError as exc:
@@ -335,6 +337,16 @@ def class_pieces(rank: int, infos: Sequence[ShardInfo], entries: dict[str, Tenso
         away = tuple(m for m in members if caches[m] != caches[rank]) if reader == rank else ()
         pieces.append(ReadPiece(key, box, rank, away))
     return pieces
+
+
+def class_load_pieces(rank: int, infos: Sequence[ShardInfo], entries: dict[str, TensorEntry],
+                      peers: ClassPeers, replicas: Replicas) -> list[ReadPiece]:
+    """A rank's pieces of a load with replica classes (or disjoint state): its class's
+    split of the targets its members share (``class_pieces``), and its own reads of
+    those it holds alone (``Replicas.split``: the grid's tensors of mixed state)."""
+    shared, alone = replicas.split(infos)
+    return (class_pieces(rank, shared, entries, peers)
+            + class_pieces(rank, alone, entries, ClassPeers((rank,), {rank: 0})))
 
 
 @dataclass

@@ -27,7 +27,7 @@ import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -37,8 +37,8 @@ from elastor_mcore.checkpoint.format import (
     committed_steps, parse_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.plan import (
-    NO_REPLICAS, LocalShard, Replicas, WritePlan, WriteUnit, held_bytes, merge, merge_entries,
-    plan_disjoint, plan_owned, route)
+    NO_REPLICAS, LocalPlan, LocalShard, Replicas, WritePlan, WriteUnit, merge_entries,
+    plan_disjoint, plan_owned)
 from elastor_mcore.checkpoint.storage import MANIFEST, TMP_PREFIX, Location, as_path, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import ShardInfo, local_view
@@ -56,6 +56,8 @@ class SaveResult:
     path: Location
     step: int
     plan: WritePlan
+    calls: int = 0
+    """The job-wide collective calls the save made (``comm.Comm.calls``)."""
 
 
 def save(root: str | os.PathLike, step: int, shards: Sequence[LocalShard],
@@ -81,19 +83,23 @@ def write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalS
                      manifest_extra: dict[str, Any] | None = None, group=None,
                      chunking: ChunkPolicy | None = None, *, clean_root: bool = False,
                      on_commit: Callable[[], None] | None = None,
-                     replicas: Replicas = NO_REPLICAS) -> SaveResult:
+                     replicas: Replicas = NO_REPLICAS,
+                     files: Mapping[str, bytes] | None = None) -> SaveResult:
     """Save into exactly ``path`` (atomically replacing it), without a ``latest``
-    pointer: the form Megatron-LM's own ``iter_N`` directories need."""
+    pointer: the form Megatron-LM's own ``iter_N`` directories need. ``files``: named
+    files (paths inside the step directory, with their bytes) this rank offers to
+    write beside the arrays, committed with them; where several ranks offer one name
+    (the same object on every replica), one of them writes it."""
     with gc_paused():
         return _write_checkpoint(path, step, shards, manifest_extra, group, chunking,
-                                 clean_root, on_commit, replicas)
+                                 clean_root, on_commit, replicas, files or {})
 
 
 def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[LocalShard],
                       manifest_extra: dict[str, Any] | None, group,
                       chunking: ChunkPolicy | None, clean_root: bool,
                       on_commit: Callable[[], None] | None,
-                      replicas: Replicas) -> SaveResult:
+                      replicas: Replicas, files: Mapping[str, bytes]) -> SaveResult:
     path = as_path(path)
     tmp = storage_for(path).staging_dir(path, "")
     ranks = comm.Comm(group)
@@ -109,7 +115,7 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
         error = exc
     try:
         plan = plan_save(ranks, [s.info() for s in shards], chunking or ChunkPolicy(), what,
-                         error, replicas)
+                         error, replicas, sorted(files))
     except CheckpointError:
         if coordinator and error is None:
             discard_quietly(tmp)
@@ -117,7 +123,7 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
 
     error = None
     try:
-        write_share(tmp, plan, plan_sources(plan, shards), coordinator)
+        write_share(tmp, plan, plan_sources(plan, shards), coordinator, files)
     except Exception as exc:
         error = exc
     failed, writers, files = ranks.sum([error is not None, bool(plan.units), len(plan.units)])
@@ -131,25 +137,35 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
         except Exception as exc:
             error = exc
     comm.check([ranks.broadcast(comm.describe(error))], what, error)
-    return SaveResult(path, step, plan)
+    return SaveResult(path, step, plan, ranks.calls)
 
 
 def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy, what: str,
-              error: BaseException | None = None,
-              replicas: Replicas = NO_REPLICAS) -> WritePlan:
+              error: BaseException | None = None, replicas: Replicas = NO_REPLICAS,
+              files: Iterable[str] = ()) -> WritePlan:
     """The plan step of a save (DCP's: gather local plans, scatter the global one):
     each rank sends its shard descriptions to the owners of its tensors (one member
     of each class of ``replicas`` per column), each owner plans its tensors
     (``plan.plan_tensors``) and sends every holder its cells, and the holders cut
     them into files and choose their writers (``plan.merge``), checking the cells
     against their own shards (``WritePlan.mismatch``). Two sparse exchanges;
-    ``error`` (this rank's, before planning) fails the save on every rank.
+    ``error`` (this rank's, before planning) fails the save on every rank. ``files``:
+    the named files this rank offers to write beside the arrays; the owner of each
+    name picks one writer among the ranks that offer it (``WritePlan.files``).
 
     Disjoint state with a grid (``Replicas.grid``: ZeRO-1) needs no owner: each rank
     plans its own shards (``plan.plan_disjoint``) and one gather (``Comm.gather``: a
     bitmap ``all_reduce``, then point to point) brings the coordinator the entries of
-    the arrays, from the ranks that create them."""
-    if replicas.grid is not None:
+    the arrays, from the ranks that create them. Mixed state (a grid beside replica
+    classes: Megatron-LM's weights and ZeRO-1's optimizer state) plans the grid's
+    tensors so and the others through the owners, in the same two exchanges, the
+    grid's entries riding to the coordinator in the first."""
+    files = tuple(files)
+    if replicas.disjoint and replicas.grid is not None:
+        if files:
+            raise ValueError("a disjoint save plans nothing across ranks, so it cannot "
+                             "choose the writers of named files; save them with the "
+                             "replicated state's plan (replica classes or none)")
         plan = plan_disjoint(ranks.rank, infos, policy, replicas.grid)
         received = ranks.gather(plan.created_entries() or None, what, error)
         if ranks.is_coordinator:
@@ -159,10 +175,8 @@ def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy,
         replicas.check(ranks.ranks)
     except CheckpointError as exc:
         error = error or exc
-    total = held_bytes(infos)
-    received = ranks.exchange({owner: (total, mine) for owner, mine in route(
-        infos, ranks.ranks, replicas.sends(ranks.rank), replicas.columns).items()},
-        what, error)
+    local = LocalPlan.build(ranks.rank, infos, ranks.ranks, policy, replicas, files)
+    received = ranks.exchange(local.requests, what, error)
     parts, owned, error = {}, [], None
     try:
         parts, owned = plan_owned(received, ranks.ranks, ranks.ranks.index(ranks.rank),
@@ -170,7 +184,7 @@ def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy,
     except CheckpointError as exc:
         error = exc
     replies = ranks.exchange(parts, what, error)
-    return merge(ranks.rank, replies.values(), owned, replicas, infos)
+    return local.merged(replies.values(), owned, replicas)
 
 
 def discard_quietly(tmp: Location) -> None:
@@ -218,13 +232,14 @@ def unit_sources(units: Sequence[WriteUnit], shards: Sequence[LocalShard]) -> So
     return sources
 
 
-def write_share(tmp: Location, plan: WritePlan, sources: Sources,
-                coordinator: bool) -> None:
+def write_share(tmp: Location, plan: WritePlan, sources: Sources, coordinator: bool,
+                files: Mapping[str, bytes] | None = None) -> None:
     """One rank's part of the data, and the metadata of its share of the arrays (the
     coordinator also the group's): spread over the ranks, as creating 100 arrays'
     metadata took the one rank that did it all 0.05-0.2 s on the save's critical
     path. Nobody waits for the metadata: the data writers create the directories.
-    A rank creates the arrays whose first file it writes (``plan.metadata_creators``).
+    A rank creates the arrays whose first file it writes (``plan.metadata_creators``),
+    and writes the named files its plan gives it (``WritePlan.files``, from ``files``).
     A plan that does not fit this rank's shards (``WritePlan.mismatch``) fails here,
     before anything is written."""
     if plan.mismatch:
@@ -240,6 +255,15 @@ def write_share(tmp: Location, plan: WritePlan, sources: Sources,
     if mine:
         open_arrays(tmp, mine, create=True)
     _write_units(tmp, plan.entries, sources)
+    for name in plan.files:
+        write_file(tmp / name, files[name])
+
+
+def write_file(file: Location, data: bytes) -> None:
+    """``data`` as ``file``, durably, its folder made first (a no-op on object
+    stores)."""
+    file.parent.mkdir(parents=True, exist_ok=True)
+    storage_for(file).write_durably(file, data)
 
 
 def commit(tmp: Location, path: Location, step: int, plan: WritePlan,

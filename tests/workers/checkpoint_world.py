@@ -5,7 +5,8 @@ loads into halves, 3-way uneven boxes and whole tensors (bf16 and fp32, bit-exac
 saves from a sub-group that excludes rank 0, and measures bytes read; then loads
 with replica classes under seeded random layouts (compared with a single-process read)
 and with a false class and classes that differ between ranks (each must fail), counting
-their job-wide calls; saves of disjoint state with a grid, right and wrong. The loads run
+their job-wide calls; saves of disjoint state with a grid, right and wrong; saves and
+loads of mixed state (replica classes beside a grid, with named files). The loads run
 twice: as they are (one host: replicas share the page cache and read their own
 bytes), and as if every rank ran on its own host (replicas share reads over gloo); on
 object storage once (every rank is its own host there). Rank 0 writes
@@ -327,6 +328,111 @@ def disjoint_saves(root: str, rank: int, policy) -> dict:
     return out
 
 
+MIXED_SEEDS = range(4)
+"""The seeded random layouts of the mixed-state pass (``mixed_state``)."""
+GRID_KEY = "optimizer.exp_avg.embedding.word_embeddings.weight"
+"""A tensor the mixed-state pass holds as ZeRO-1 state (disjoint, on a grid)."""
+AWAY_KEY = "decoder.layers.0.mlp.linear_fc1.weight_w"
+"""Another, which the coordinator holds none of (a later stage's state): its entry
+reaches the coordinator only in the plan's first exchange."""
+
+
+def mixed_state(seed: int, rank: int, policy) -> tuple[list, "Replicas", dict]:
+    """Megatron-LM's state under a heterogeneous layout with ZeRO-1, in small: seeded
+    random replica classes (classes of one included) whose members hold the same
+    boxes of every other tensor (each class a random segment of a random partition
+    of each split tensor, or the whole of it: the classes together cover it), and
+    ``GRID_KEY`` cut at its grid's files among the ranks, disjoint (its first file, whose
+    writer creates its array, on rank ``-seed % 4``), and ``AWAY_KEY`` so among ranks
+    1-3; named files that
+    every member of a class offers (the same bytes: a ShardedObject of its stage) and
+    one that rank 0 alone offers (``common.pt``). Returns this rank's shards, the
+    replicas every rank passes and the files it offers."""
+    import random
+
+    from elastor_mcore.checkpoint import Replicas
+
+    rng = random.Random(1000 + seed)
+    order = rng.sample(range(4), 4)
+    sizes = rng.choice([(2, 2), (3, 1), (2, 1, 1), (1, 1, 2), (4,)])
+    classes, start = [], 0
+    for size in sizes:
+        classes.append(tuple(sorted(order[start:start + size])))
+        start += size
+    classes.sort()
+    mine = next(i for i, members in enumerate(classes) if rank in members)
+    from elastor_mcore.checkpoint.format import choose_entry
+
+    grid_shards, grid = grid_boxes((rank + seed) % 4, policy)  # the first file: rank -seed
+    shards = [s for s in grid_shards if s.key == GRID_KEY]
+    rows = TENSORS[AWAY_KEY][0][0]
+    file = choose_entry(TENSORS[AWAY_KEY][0], "float32", grid[AWAY_KEY], policy).shard[0]
+    ends = [0, rows // file // 3 * file, 2 * rows // file // 3 * file, rows]
+    shards += [piece(AWAY_KEY, 0, ends[rank - 1], ends[rank])] if rank else []
+    for key, (shape, _, dim) in TENSORS.items():
+        if key in (GRID_KEY, AWAY_KEY):
+            continue
+        if dim is None or rng.random() < 0.2:
+            shards.append(piece(key, None, 0, 0))
+            continue
+        cuts = sorted(rng.sample(range(1, shape[dim]), len(classes) - 1))
+        bounds = list(zip([0, *cuts], [*cuts, shape[dim]]))
+        rng.shuffle(bounds)
+        shards.append(piece(key, dim, *bounds[mine]))
+    files = {f"objects/class{classes[mine][0]}.pt": f"stage of {classes[mine]}".encode()}
+    if rank == 0:
+        files["common.pt"] = b"plain values"
+    return shards, Replicas(tuple(classes), grid={k: grid[k] for k in (GRID_KEY, AWAY_KEY)}), files
+
+
+def mixed_saves(root: str, rank: int, policy) -> dict:
+    """Saves and loads of mixed state (``mixed_state``), as Megatron-LM's zarr saves
+    pass it: per seed, the job-wide calls of the save (two exchanges, then the finish)
+    and of a load with the same replicas (two ``all_reduce``s), what a single-process
+    read finds, the grid tensor's entry against the replicated save's, which rank
+    wrote each named file and what it holds; then a member whose weights differ from
+    its class's, and a grid shard off its files: each must fail on every rank."""
+    from elastor_mcore import checkpoint as ck
+    from elastor_mcore.checkpoint import writer
+
+    out: dict = {"seeds": {}}
+    whole = [piece(key, None, 0, 0) for key in TENSORS]
+    world_entry = ck.open(f"{root}/world").manifest.tensors[GRID_KEY]
+    for seed in MIXED_SEEDS:
+        shards, replicas, files = mixed_state(seed, rank, policy)
+        with counting() as calls:
+            result = writer.write_checkpoint(f"{root}/mixed/step_{seed}", seed, shards, {},
+                                             chunking=policy, replicas=replicas, files=files)
+        step = f"{root}/mixed/step_{seed}"
+        targets = [piece(s.key, None, 0, 0, fill=-7.0) if s.key not in replicas.grid else
+                   piece(s.key, 0, s.global_offset[0], s.global_offset[0] + s.data.shape[0],
+                         fill=-7.0) for s in shards]
+        with counting() as load_calls:
+            ck.load(step, targets, replicas=replicas)
+        out["seeds"][seed] = dict(
+            classes=[list(c) for c in replicas.classes], calls=calls, load_calls=load_calls,
+            mismatches=single_process_read(step, whole)[0], load_mismatches=mismatches(targets),
+            grid_entry_matches=ck.open(step).manifest.tensors[GRID_KEY] == world_entry,
+            files_written=list(result.plan.files),
+            files={name: (Path(step) / name).read_bytes().decode()
+                   for name in sorted(files) if (Path(step) / name).is_file()},
+            offered=sorted(files))
+    shards, replicas, files = mixed_state(3, rank, policy)  # ranks 0 and 1 a class
+    assert (0, 1) in replicas.classes
+    other = [piece(s.key, None, 0, 0) if s.key not in replicas.grid and rank == 1 else s
+             for s in shards]
+    off = [s for s in grid_boxes((rank + 3) % 4, policy, shift=1)[0] if s.key == GRID_KEY] + [
+        s for s in shards if s.key != GRID_KEY]
+    for name, wrong in (("member off its class", other), ("grid shard off its files", off)):
+        try:
+            writer.write_checkpoint(f"{root}/mixed/wrong", 9, wrong, {}, chunking=policy,
+                                    replicas=replicas, files=files)
+            out[name] = "saved"
+        except ck.CheckpointError as exc:
+            out[name] = str(exc)
+    return out
+
+
 EXCHANGE_SEEDS = range(3)
 """The seeded rounds of ``exchanges``."""
 
@@ -403,6 +509,7 @@ def main() -> None:
     if not root.startswith("s3://"):
         report["classes"] = class_loads(root, rank)
         report["disjoint_save"] = disjoint_saves(root, rank, policy)
+        report["mixed"] = mixed_saves(root, rank, policy)
 
     if args.no_subgroup:
         write_world_result(out, report, saved.plan)

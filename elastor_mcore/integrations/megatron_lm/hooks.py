@@ -166,10 +166,10 @@ PATCHES: tuple[Patch, ...] = (
           megatron_lm=False),
     Patch(_CKPT, "get_default_load_sharded_strategy", stateless(zarr_format.wrap_load_strategy),
           "the same, imported by value (core_v0.16.1)", "the same"),
-    Patch(_DIST, "load", stateless(zarr_format.wrap_load), "load_checkpoint",
+    Patch(_DIST, "load", zarr_format.wrap_load, "load_checkpoint",
           "zarr checkpoints are read by Elastor (any layout); others by Megatron-Core",
           megatron_lm=False),
-    Patch(_SERIALIZATION, "load", stateless(zarr_format.wrap_load), "the same",
+    Patch(_SERIALIZATION, "load", zarr_format.wrap_load, "the same",
           "the same", megatron_lm=False),
     # 5. training
     Patch(_TRAINING, "build_pretraining_data_loader", training.wrap_data_loader,

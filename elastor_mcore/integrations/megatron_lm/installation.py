@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from elastor_mcore.checkpoint.megatron_dir import ZarrSaveSettings
+from elastor_mcore.checkpoint.plan import NO_REPLICAS, Replicas
 from elastor_mcore.integrations.megatron_lm.memory_report import MemoryReport
 from elastor_mcore.integrations.megatron_lm.overlap import GradReadiness
 from elastor_mcore.parallel.groups import GroupCache, RankGroups
@@ -114,6 +115,9 @@ class Installation:
     step's (created once)."""
     zero: ZeroShards | None = None
     """The ZeRO-1 shards under ``--use-distributed-optimizer`` (built with the optimizer)."""
+    state_replicas: Replicas = NO_REPLICAS
+    """Which ranks hold the same checkpointed tensors, for the zarr saves' and loads'
+    plans (``zarr_format.state_replicas``, set as the optimizer is built)."""
     schedule: ScheduleState | None = None
     startup_memory: StartupMemory | None = None
     """Under ``--elastor-report-memory``: measured as the optimizer was built."""

@@ -79,6 +79,7 @@ import torch
 import torch.distributed as dist
 
 from elastor_mcore.data.samples import pipeline_sample_indices
+from elastor_mcore.integrations.megatron_lm import zarr_format
 from elastor_mcore.integrations.megatron_lm.installation import Installation, ScheduleState
 from elastor_mcore.integrations.megatron_lm.memory_report import MemoryReport
 from elastor_mcore.integrations.megatron_lm.overlap import (
@@ -230,7 +231,17 @@ def wrap_get_optimizer(original: Callable, installation: Installation) -> Callab
 def _build_optimizer(original: Callable, installation: Installation, config, model_chunks,
                      *args, **kwargs):
     """Megatron's optimizer, or on a heterogeneous layout under
-    ``--use-distributed-optimizer`` ZeRO-1 across pipelines behind its interface."""
+    ``--use-distributed-optimizer`` ZeRO-1 across pipelines behind its interface; and
+    which ranks' checkpointed tensors are the same (``Installation.state_replicas``)."""
+    optimizer = _megatron_or_zero_optimizer(original, installation, config, model_chunks,
+                                            *args, **kwargs)
+    installation.state_replicas = zarr_format.state_replicas(
+        installation.layout, installation.zero, config.use_distributed_optimizer)
+    return optimizer
+
+
+def _megatron_or_zero_optimizer(original: Callable, installation: Installation, config,
+                                model_chunks, *args, **kwargs):
     if not installation.heterogeneous() or not config.use_distributed_optimizer:
         return original(config, model_chunks, *args, **kwargs)
     from megatron.core.utils import unwrap_model

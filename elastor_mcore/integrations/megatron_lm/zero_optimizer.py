@@ -92,6 +92,15 @@ def zero_megatron_optimizer(built, config, shards: ZeroShards, norm: Callable[[]
                                  gather_weights or shards.copy_main_to_model)
 
 
+def checkpoint_grid(shards: ZeroShards) -> dict[str, list[list[int]]]:
+    """Per key of the state ``ZeroMegatronOptimizer.sharded_state_dict`` saves, the
+    cut points its files are chosen from (``ZeroShards.file_grid``): each rank then
+    writes and reads its own boxes with no owner planning them
+    (``checkpoint.Replicas.grid``)."""
+    return {f"{STATE_PREFIX}.{name}.{key}": cuts for key, cuts in shards.file_grid().items()
+            for name in (MAIN_PARAM, *ADAM_MOMENTS)}
+
+
 class ZeroMegatronOptimizer(_megatron_optimizer_base()):
     """Megatron's ``MegatronOptimizer`` interface over ``ZeroShards`` (see the module)."""
 
