@@ -3,7 +3,8 @@
 
     PYTHONPATH=. python tools/bench_scale.py [--models llama3-8b,llama3-70b,llama3-405b]
         [--worlds 64,512,4096,16384] [--lost 1,8,64] [--samples 3]
-        [--only uniform,save,load,grad] [--no-replicas] [--zero1] [--out FILE]
+        [--only uniform,save,load,grad] [--no-replicas] [--zero1] [--megatron-lm]
+        [--out FILE]
     PYTHONPATH=. python tools/bench_scale.py --table FILE...   # markdown tables
     PYTHONPATH=. python tools/bench_scale.py --table BEFORE AFTER --curve MODEL LOST
         [--kinds save,load,grad]
@@ -14,7 +15,10 @@ layout and the recipe's shapes (the fp32 main weights and AdamW's two moments of
 rank's ShardedTensors; ``tests/test_bench_scale.py`` checks it against real mcore
 ``sharded_state_dict()`` metadata); with ``--zero1`` the distributed optimizer's
 state instead, each rank's own rows of them (``state_of``, checked against a real
-``DistributedOptimizer``'s). Per model and world: the uniform layout Megatron
+``DistributedOptimizer``'s); with ``--megatron-lm`` what Megatron-LM's zarr saves
+hold under Elastor's ZeRO-1 (``MegatronLMState``: bf16 weights replicated over the
+replica classes, ZeRO-1's rows on their grid, ShardedObjects as named files), on the
+failure layouts. Per model and world: the uniform layout Megatron
 would use (``UNIFORM``), and the planner's layout after losing 1, 8 and 64 GPUs
 scattered over the nodes. Per case:
 
