@@ -26,7 +26,8 @@ import pytest
 
 from elastor_mcore.elastic import node_timeline
 from elastor_mcore.elastic.heartbeat import HangPolicy
-from elastor_mcore.elastic.protocol import LAUNCHER_EVENTS, Beat, read_beats, read_events
+from elastor_mcore.elastic.protocol import (EVENTS_FILE, LAUNCHER_EVENTS, ROUNDS_DIR, Beat,
+                                            read_beats, read_events)
 from elastor_mcore.elastic.report import read_metrics
 from elastor_mcore.elastic.torchrun import AGENT_MODULE
 from tests.conftest import REPO, TINY
@@ -169,10 +170,17 @@ def time_to_hang(beat: Beat | None) -> bool:
 
 
 def stepping_round(job: Job, node: str, launch: int, nodes: int) -> bool:
-    """Whether that node launch's latest round has ``nodes`` nodes and has stepped."""
+    """Whether that node launch's latest round has ``nodes`` nodes and has stepped, on
+    this node too: its ranks' ``first_step`` event, which the node's recovery timeline
+    reads, may come seconds after another node's metrics under load (a kill before it
+    left the recovery without its first step)."""
     rounds = job.rounds(node, launch)
-    return (bool(rounds) and len({m["node"] for m in rounds[-1]["members"]}) == nodes
-            and job.steps_done(rounds[-1]["round"]) > 0)
+    if not rounds or len({m["node"] for m in rounds[-1]["members"]}) != nodes:
+        return False
+    events = (job.run_dir / "nodes" / node / str(launch) / ROUNDS_DIR
+              / str(rounds[-1]["round"]) / EVENTS_FILE)
+    return (job.steps_done(rounds[-1]["round"]) > 0
+            and bool(read_events(events, "first_step")))
 
 
 @pytest.fixture(scope="module")
