@@ -220,20 +220,26 @@ class Comm:
         if total[0]:
             check([m for m, in self.messages(error)], what, error)
         if not self.is_coordinator:
-            if message is not None:
-                data = pickle.dumps(message)
-                self._point_to_point({self.coordinator: len(data).to_bytes(8, "little")}, {})
-                self._point_to_point({self.coordinator: data}, {})
+            self.trade({self.coordinator: message} if message is not None else {}, [])
             return {}
         senders = [r for i, r in enumerate(self.ranks)
                    if r != self.rank and total[1 + i // 64] >> i % 64 & 1]
-        sizes = self._point_to_point({}, dict.fromkeys(senders, 8))
-        blobs = self._point_to_point(
-            {}, {r: int.from_bytes(size, "little") for r, size in sizes.items()})
-        incoming = {r: pickle.loads(blob) for r, blob in blobs.items()}
+        incoming = self.trade({}, senders)
         if message is not None:
             incoming[self.rank] = message
         return dict(sorted(incoming.items()))
+
+    def trade(self, sends: dict[int, Any], sources: Sequence[int]) -> dict[int, Any]:
+        """``sends[r]`` pickled and sent to each rank ``r``, and what each of
+        ``sources`` sends this rank received, by sender: point to point between ranks
+        that know each other in advance (each of a pair calls it), in two rounds, each
+        message's size (8 bytes), then the messages."""
+        data = {r: pickle.dumps(m) for r, m in sends.items()}
+        sizes = self._point_to_point({r: len(b).to_bytes(8, "little") for r, b in data.items()},
+                                     dict.fromkeys(sources, 8))
+        blobs = self._point_to_point(
+            data, {r: int.from_bytes(size, "little") for r, size in sizes.items()})
+        return {r: pickle.loads(blob) for r, blob in blobs.items()}
 
     def _point_to_point(self, sends: dict[int, bytes],
                         receives: dict[int, int]) -> dict[int, bytes]:
