@@ -153,13 +153,21 @@ class Comm:
 
     def sum(self, values: Sequence[int]) -> list[int]:
         """Every rank's ``values`` added up, element by element (one ``all_reduce``)."""
+        return self._reduce(values, "SUM")
+
+    def maximum(self, values: Sequence[int]) -> list[int]:
+        """The largest of every rank's ``values``, element by element (one
+        ``all_reduce``)."""
+        return self._reduce(values, "MAX")
+
+    def _reduce(self, values: Sequence[int], op: str) -> list[int]:
         dist = _dist()
         if dist is None:
             return list(values)
         import torch
 
         total = torch.tensor(list(values), dtype=torch.int64, device=self._device())
-        dist.all_reduce(total, group=self.group)
+        dist.all_reduce(total, op=getattr(dist.ReduceOp, op), group=self.group)
         self.calls += 1
         return total.tolist()
 

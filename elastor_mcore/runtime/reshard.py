@@ -1,29 +1,35 @@
 """Fill any layout's training state from the copies the ranks hold in memory
 (``memory_tier``), peer to peer, and from the zarr checkpoint for what none holds.
 
-Every rank of the new world reports the complete copies it holds (``Holding``: whose
-state, which step, which global boxes) and the boxes it needs (its ``state_shards``
-under the new layout). All compute the same plan from that one gather
-(``plan_restore``): the newest step at which the copies, with the durable checkpoint
-if it has that step, cover every box needed; then, cell by cell of the common
-refinement of all those boxes (``geometry.common_refinement``), one holder sends each
-needed cell to each rank that needs it: the rank itself when it holds the cell, else
-the holder with the fewest bytes to send so far. Each (sender, receiver) pair
-exchanges one packed buffer; cells no copy holds are read from the checkpoint.
+As a checkpoint's load is planned (``checkpoint/plan.py``), each tensor is planned by
+its *owner* (``plan.owner_of`` its key), not by every rank for the whole job: every
+rank of the new world sends each owner the boxes it holds of the owner's tensors in
+its complete copies (``Holding``: whose state, which step, which global boxes) and
+the boxes it needs of them (its ``state_shards`` under the new layout). The ranks
+agree on the newest step every owner can rebuild its tensors at from the copies of
+that step, with the durable checkpoint if it has that step (``newest_plan``: an
+integer ``all_reduce`` per step tried, the newest first); each owner then cuts its
+tensors' boxes into the cells of their common refinement and picks, for each needed
+cell, the rank itself when it holds the cell, else the holder with the fewest bytes
+to send so far (``plan_step``), and tells every sender and receiver its moves. Each
+(sender, receiver) pair exchanges one packed buffer; cells no copy holds are read
+from the checkpoint. What a rank sends and computes follows the tensors it holds and
+owns, not the size of the job.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from elastor_mcore import checkpoint
-from elastor_mcore.checkpoint import LocalShard
+from elastor_mcore.checkpoint import LocalShard, comm
 from elastor_mcore.checkpoint.format import step_dir_name
+from elastor_mcore.checkpoint.plan import owner_of
 from elastor_mcore.checkpoint.storage import as_path
 from elastor_mcore.geometry import Box, ShardInfo, common_refinement, local_view
 from elastor_mcore.runtime.memory_tier import Holding, RestoreError
@@ -47,6 +53,26 @@ class Move:
     shard: int = -1
 
 
+@dataclass(frozen=True)
+class Source:
+    """A box some rank holds in one of its complete copies."""
+
+    rank: int
+    copy: int
+    shard: int
+    step: int
+    info: ShardInfo
+
+
+@dataclass(frozen=True)
+class Target:
+    """A box some rank needs: its ``index``-th target."""
+
+    rank: int
+    index: int
+    info: ShardInfo
+
+
 @dataclass
 class RestorePlan:
     step: int
@@ -59,65 +85,94 @@ class RestorePlan:
         return sum(1 for m in self.moves if m.src is None)
 
 
+def sources_of(held: dict[int, Sequence[Holding]]) -> list[Source]:
+    """Every box of every rank's copies."""
+    return [Source(rank, c, s, holding.step, info) for rank in sorted(held)
+            for c, holding in enumerate(held[rank]) for s, info in enumerate(holding.shards)]
+
+
+def targets_of(needed: dict[int, Sequence[ShardInfo]]) -> list[Target]:
+    return [Target(rank, t, info) for rank in sorted(needed)
+            for t, info in enumerate(needed[rank])]
+
+
 def plan_restore(held: dict[int, Sequence[Holding]], needed: dict[int, Sequence[ShardInfo]],
                  durable_step: int | None) -> RestorePlan:
-    """The newest step every needed box can be rebuilt at (see the module docstring);
-    ``RestoreError`` if there is none."""
-    steps = {h.step for copies in held.values() for h in copies}
-    if durable_step is not None:
-        steps.add(durable_step)
-    for step in sorted(steps, reverse=True):
-        plan = _plan_step(held, needed, step, durable_step == step)
-        if plan is not None:
+    """The whole job's plan in one process: the newest step every needed box can be
+    rebuilt at and its moves (see the module docstring); ``RestoreError`` if there is
+    none."""
+    schedules = {h.step: h.schedule for copies in held.values() for h in copies}
+    return newest_plan(sources_of(held), targets_of(needed), durable_step, schedules,
+                       lambda values: values)
+
+
+Agree = Callable[[list[int]], list[int]]
+"""The largest of every rank's values, element by element (``comm.Comm.maximum``; in
+one process, the values themselves)."""
+
+
+def newest_plan(sources: Sequence[Source], targets: Sequence[Target],
+                durable_step: int | None, schedules: dict[int, dict],
+                agree: Agree) -> RestorePlan:
+    """The plan of these boxes (an owner's, of its tensors) at the newest step every
+    rank's can be rebuilt at: the steps tried newest first, from the newest any copy
+    holds or the durable step, each tried by one ``agree`` of (whether this rank's
+    boxes fail at it, the newest step below it this rank could try, whether its plan
+    raised). ``RestoreError`` on every rank if no step serves them all."""
+    steps = {source.step for source in sources} | (
+        {durable_step} if durable_step is not None else set())
+    step = agree([max(steps, default=-1)])[0]
+    while step >= 0:
+        plan, error = None, None
+        try:
+            plan = plan_step(sources, targets, step, durable_step == step, schedules.get(step))
+        except RestoreError as exc:
+            error = exc
+        failed, below, errors = agree([plan is None, max((s for s in steps if s < step),
+                                                         default=-1), error is not None])
+        if errors:
+            raise error or RestoreError(f"restoring step {step} failed on another rank "
+                                        f"(its log says why)")
+        if not failed:
             return plan
-    have = sorted(steps)
+        step = below
     raise RestoreError(
-        f"no step can be rebuilt: the copies in memory (steps {have or 'none'}) and the "
-        f"durable checkpoint (step {durable_step}) do not cover the state at any one step")
+        f"no step can be rebuilt: the copies in memory (steps {sorted(steps) or 'none'} "
+        f"here) and the durable checkpoint (step {durable_step}) do not cover the state "
+        f"at any one step")
 
 
-def _plan_step(held: dict[int, Sequence[Holding]], needed: dict[int, Sequence[ShardInfo]],
-               step: int, durable: bool) -> RestorePlan | None:
-    sources: list[tuple[int, int, int]] = []  # (rank, copy index, shard index)
-    boxes: dict[int, list[ShardInfo]] = {}
-    schedule = None
-    for rank in sorted(held):
-        for c, holding in enumerate(held[rank]):
-            if holding.step != step:
-                continue
-            schedule = holding.schedule
-            for s, info in enumerate(holding.shards):
-                boxes[len(sources)] = [info]
-                sources.append((rank, c, s))
-    targets: list[tuple[int, int]] = []  # (rank, needed index)
-    for rank in sorted(needed):
-        for t, info in enumerate(needed[rank]):
-            boxes[len(sources) + len(targets)] = [info]
-            targets.append((rank, t))
-    wanted_keys = {info.key for infos in needed.values() for info in infos}
-    boxes = {i: infos for i, infos in boxes.items() if infos[0].key in wanted_keys}
+def plan_step(sources: Sequence[Source], targets: Sequence[Target], step: int,
+              durable: bool, schedule: dict | None = None) -> RestorePlan | None:
+    """The moves that rebuild ``targets`` at ``step`` from the copies of that step (and
+    the durable checkpoint where ``durable``), or None where they cannot."""
+    wanted = {target.info.key for target in targets}
+    held = [s for s in sources if s.step == step and s.info.key in wanted]
+    boxes = {i: [box.info] for i, box in enumerate([*held, *targets])}
     moves, load = [], {}
     for cell in common_refinement(boxes):
-        holders = [sources[h] for h in cell.holders if h < len(sources)]
+        holders = [held[h] for h in cell.holders if h < len(held)]
         for h in cell.holders:
-            if h < len(sources):
+            if h < len(held):
                 continue
-            dst, target = targets[h - len(sources)]
+            target = targets[h - len(held)]
             if not holders and not durable:
                 return None
             if not holders:
-                moves.append(Move(cell.key, cell.box, dst, target, None))
+                moves.append(Move(cell.key, cell.box, target.rank, target.index, None))
                 continue
-            rank, c, s = min(holders, key=lambda x: (x[0] != dst, load.get(x[0], 0), x))
-            if held[rank][c].shards[s].dtype != needed[dst][target].dtype:
+            source = min(holders, key=lambda x: (x.rank != target.rank, load.get(x.rank, 0),
+                                                 x.rank, x.copy, x.shard))
+            if source.info.dtype != target.info.dtype:
                 raise RestoreError(
-                    f"{cell.key}: a copy holds it as {held[rank][c].shards[s].dtype}, rank "
-                    f"{dst} needs {needed[dst][target].dtype}; restore needs the same dtype")
-            if rank != dst:
+                    f"{cell.key}: a copy holds it as {source.info.dtype}, rank "
+                    f"{target.rank} needs {target.info.dtype}; restore needs the same dtype")
+            if source.rank != target.rank:
                 size = cell.box.numel * torch.empty(
-                    (), dtype=getattr(torch, needed[dst][target].dtype)).element_size()
-                load[rank] = load.get(rank, 0) + size
-            moves.append(Move(cell.key, cell.box, dst, target, rank, c, s))
+                    (), dtype=getattr(torch, target.info.dtype)).element_size()
+                load[source.rank] = load.get(source.rank, 0) + size
+            moves.append(Move(cell.key, cell.box, target.rank, target.index, source.rank,
+                              source.copy, source.shard))
     return RestorePlan(step, schedule, moves, load)
 
 
@@ -130,7 +185,7 @@ class Restored:
     """The lr schedule's state at ``step``."""
     received_bytes: int
     durable_cells: int
-    """Cells read from the durable checkpoint (held by no copy)."""
+    """Cells this rank read from the durable checkpoint (held by no copy)."""
 
 
 def restore(targets: Sequence[LocalShard], copies: Sequence[tuple[Holding, torch.Tensor]],
@@ -138,22 +193,49 @@ def restore(targets: Sequence[LocalShard], copies: Sequence[tuple[Holding, torch
     """Fill ``targets`` (views of this rank's state under the new layout) from the
     copies every rank of ``group`` holds (``MemoryTier.copies`` of the layout before)
     and the durable checkpoint under ``durable_root``. Collective over ``group``."""
+    ranks = comm.Comm(group)
+    me = ranks.rank
+    held = [holding for holding, _ in copies]
     durable_step = checkpoint.latest_step(durable_root) if durable_root else None
-    ranks = dist.get_process_group_ranks(group) if group is not None else \
-        list(range(dist.get_world_size()))
-    gathered: list = [None] * len(ranks)
-    dist.all_gather_object(gathered, ([h for h, _ in copies], [t.info() for t in targets],
-                                      durable_step), group=group)
     # A save committing while the ranks looked may show them different steps: the
     # oldest is in the checkpoint root for all (``keep`` >= 2 keeps it).
-    seen = [g[2] for g in gathered]
-    durable_step = None if None in seen else min(seen)
-    plan = plan_restore({r: g[0] for r, g in zip(ranks, gathered)},
-                        {r: g[1] for r, g in zip(ranks, gathered)}, durable_step)
-    received = _exchange(plan, dist.get_rank(), targets, copies, group)
-    reads = [m for m in plan.moves if m.dst == dist.get_rank() and m.src is None]
+    unseen, oldest = ranks.maximum([durable_step is None, -(durable_step or 0)])
+    durable_step = None if unseen else -oldest
+    outgoing: dict[int, tuple[list, list, dict]] = {}
+    for source in sources_of({me: held}):
+        outgoing.setdefault(owner_of(source.info.key, ranks.ranks), ([], [], {}))[0].append(
+            source)
+    for target in targets_of({me: [t.info() for t in targets]}):
+        outgoing.setdefault(owner_of(target.info.key, ranks.ranks), ([], [], {}))[1].append(
+            target)
+    for request in outgoing.values():
+        request[2].update({h.step: h.schedule for h in held})
+    what = "restoring from the copies in memory"
+    try:
+        received = ranks.exchange(outgoing, what)
+    except checkpoint.CheckpointError as exc:
+        raise RestoreError(str(exc)) from exc
+    sources = [s for mine, _, _ in received.values() for s in mine]
+    needs = sorted((t for _, mine, _ in received.values() for t in mine),
+                   key=lambda t: (t.rank, t.index))
+    schedules = {step: schedule for _, _, known in received.values()
+                 for step, schedule in known.items()}
+    owned = newest_plan(sources, needs, durable_step, schedules, ranks.maximum)
+    told: dict[int, list[Move]] = {}
+    for move in owned.moves:
+        told.setdefault(move.dst, []).append(move)
+        if move.src is not None and move.src != move.dst:
+            told.setdefault(move.src, []).append(move)
+    replies = ranks.exchange({rank: (owned.schedule, moves) for rank, moves in told.items()},
+                             what)
+    moves = sorted((m for _, mine in replies.values() for m in mine),
+                   key=lambda m: (m.key, m.box.offset, m.dst, m.target))
+    schedule = next((s for s, _ in replies.values() if s is not None), owned.schedule)
+    plan = RestorePlan(owned.step, schedule, moves)
+    received_bytes = _exchange(plan, me, targets, copies, group)
+    reads = [m for m in plan.moves if m.dst == me and m.src is None]
     schedule = plan.schedule
-    if reads or schedule is None:
+    if reads or (schedule is None and targets):
         reader = checkpoint.open(as_path(durable_root) / step_dir_name(plan.step))
         with torch.no_grad():
             for move in reads:
@@ -162,8 +244,8 @@ def restore(targets: Sequence[LocalShard], copies: Sequence[tuple[Holding, torch
                     reader.read(move.key, move.box))
         schedule = schedule or reader.manifest.extra.get("lr_schedule")
     log.info("restored step %d: %d bytes received from peers, %d cells read from %s",
-             plan.step, received, len(reads), durable_root)
-    return Restored(plan.step, schedule, received, plan.durable_cells())
+             plan.step, received_bytes, len(reads), durable_root)
+    return Restored(plan.step, schedule, received_bytes, len(reads))
 
 
 def _exchange(plan: RestorePlan, me: int, targets: Sequence[LocalShard],
