@@ -173,3 +173,9 @@ def test_bench_scale_runs(tmp_path):
     assert mixed["save"]["named_files"] > 1 and mixed["save"]["tensors"] > failure["save"][
         "tensors"]
     assert mixed["load"]["calls"] == ["plan: all_reduce", "agree: all_reduce"]
+    [restore] = run("restore", "--only", "restore", "--before")["failures"]
+    # the in-place restore planned by the tensors' owners: the whole-job plan's cells,
+    # in two exchanges and three integer all_reduces, where it gathered every rank's
+    assert restore["restore"]["moves"] == restore["restore"]["before"]["moves"] > 0
+    assert restore["restore"]["job_wide_calls"] == 7
+    assert restore["restore"]["before"]["calls"] == ["plan: all_gather_object"]

@@ -3,8 +3,8 @@
 
     PYTHONPATH=. python tools/bench_scale.py [--models llama3-8b,llama3-70b,llama3-405b]
         [--worlds 64,512,4096,16384] [--lost 1,8,64] [--samples 3]
-        [--only uniform,save,load,grad] [--no-replicas] [--zero1] [--megatron-lm]
-        [--out FILE]
+        [--only uniform,save,load,grad,restore] [--no-replicas] [--zero1] [--megatron-lm]
+        [--before] [--out FILE]
     PYTHONPATH=. python tools/bench_scale.py --table FILE...   # markdown tables
     PYTHONPATH=. python tools/bench_scale.py --table BEFORE AFTER --curve MODEL LOST
         [--kinds save,load,grad]
@@ -90,7 +90,9 @@ from elastor_mcore.parallel.holders import (  # noqa: E402
 from elastor_mcore.parallel.shards import (  # noqa: E402
     ADAM_STATE_PREFIXES, layout_shard_infos, replica_classes, stage_tensors)
 from elastor_mcore.planner import PlannerError, load_hardware, plan  # noqa: E402
+from elastor_mcore.runtime import reshard  # noqa: E402
 from elastor_mcore.runtime.distributed_optimizer import file_cuts, rank_buckets  # noqa: E402
+from elastor_mcore.runtime.memory_tier import Holding, replica_partners  # noqa: E402
 from elastor_mcore.runtime.grad_sync import reduction_plan, spans_stages  # noqa: E402
 from elastor_mcore.runtime.state import ADAM_MOMENTS, chunk_policy  # noqa: E402
 from elastor_mcore.integrations.megatron_lm.zero_optimizer import (  # noqa: E402
@@ -625,6 +627,77 @@ def load_case(layout: Layout, state: State, samples: int, entries: dict[str, Any
             **storage_copies(state, of, ranks, classes)}
 
 
+SCHEDULE = {"max_lr": 3e-4, "warmup_steps": 2000, "num_steps": 1000, "decay_style": "cosine",
+            "lr_decay_steps": 1_000_000, "min_lr": 3e-5, "start_wd": 0.1, "end_wd": 0.1,
+            "wd_incr_style": "constant", "wd_incr_steps": 1_000_000}
+"""An lr schedule's state as a copy holds it (mcore ``OptimizerParamScheduler``'s
+``state_dict`` fields), for its pickled size."""
+
+
+def restore_case(layout: Layout, new: Layout, dead: list[int], state: State,
+                 new_state: State, before: bool = False) -> dict[str, Any]:
+    """``reshard.restore``'s planning after an in-place recovery from ``layout`` to
+    ``new`` (the GPUs ``dead`` lost, with their copies), every rank of the new world
+    (every GPU alive) simulated: each holds its own state of ``layout`` and the replica
+    of its source (``memory_tier.replica_partners``: the ranks' nodes of 8), at two
+    steps, as the tier's two versions; it sends the owners of its tensors what it
+    holds and needs (``reshard.requests``), the ranks agree on the newest step (two
+    ``all_reduce``s, the durable step's and the step tried), each owner plans
+    (``reshard.owner_plan``) and tells senders and receivers their moves
+    (``reshard.told``, ``reshard.rank_plan``). With ``before``, the plan it replaced:
+    every rank's copies and needs gathered to every rank (``all_gather_object``) and
+    the whole job's plan (``reshard.plan_restore``), timed once (every rank computed
+    the same)."""
+    alive = sorted(set(layout.ranks) - set(dead))
+    partners = replica_partners(layout.ranks, {r: r // GPUS_PER_NODE for r in layout.ranks})
+    source_of = {partner: rank for rank, partner in partners.items()}
+
+    def held(rank: int) -> list[Holding]:
+        return [Holding(owner, step, tuple(state(owner)), (), dict(SCHEDULE, num_steps=step))
+                for step in (STEP, STEP - 1) for owner in {rank, source_of[rank]}]
+
+    sim, clock = SimComm(alive), RankClock()
+    sim.all_reduce("agree", 16)
+    outbox: dict[int, dict[int, bytes]] = {}
+    for rank in alive:
+        copies, needed = held(rank), new_state(rank)
+        for dest, blob in clock.run(rank, lambda: comm.pickled(reshard.requests(
+                rank, copies, needed, alive))).items():
+            outbox.setdefault(dest, {})[rank] = blob
+    sim.exchange("plan", outbox)
+    sim.all_reduce("agree", 8)
+    sim.all_reduce("agree", 24)
+    replies: dict[int, dict[int, bytes]] = {}
+    moves = 0
+    for owner, inbox in outbox.items():
+        received = receive(clock, owner, inbox)
+        plan = clock.run(owner, lambda: reshard.owner_plan(received, None, lambda v: v))
+        assert plan.step == STEP, plan.step
+        moves += len(plan.moves)
+        for rank, blob in clock.run(owner, lambda: comm.pickled(reshard.told(plan))).items():
+            replies.setdefault(rank, {})[owner] = blob
+    del outbox
+    sim.exchange("plan", replies)
+    for rank in alive:
+        parts = receive(clock, rank, replies.pop(rank, {}))
+        clock.run(rank, lambda: reshard.rank_plan(STEP, parts))
+    out = {"ranks": len(alive), **clock.summary(), **sim.summary(), "moves": moves}
+    if before:
+        copies = {rank: held(rank) for rank in alive}
+        needs = {rank: new_state(rank) for rank in alive}
+        sizes = {rank: len(pickle.dumps((copies[rank], needs[rank], None))) for rank in alive}
+        whole = SimComm(alive)
+        whole.all_gather_sizes("plan", sizes)
+        seconds, plan = cpu(lambda: reshard.plan_restore(copies, needs, None))
+        out["before"] = {"plan_cpu_s_max": seconds, "moves": len(plan.moves),
+                         **whole.summary()}
+    return out
+
+
+STEP = 100
+"""The newest step the copies hold (the older version one less)."""
+
+
 def storage_copies(state: State, of: RankReplicas, ranks: list[int],
                    classes: bool) -> dict[str, float]:
     """How many times storage serves each byte of a load (docs/checkpoint-format.md,
@@ -733,7 +806,7 @@ def replicas_of(layout: Layout, replicated: bool, zero1: bool = False) -> Replic
 
 def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
         only: set[str], replicated: bool = True, zero1: bool = False,
-        megatron_lm: bool = False) -> list[dict]:
+        megatron_lm: bool = False, before: bool = False) -> list[dict]:
     """Every case of ``models`` x ``worlds`` x ``lost``. With ``megatron_lm`` the
     state of Megatron-LM's zarr saves under Elastor's ZeRO-1 (``MegatronLMState``),
     on the failure layouts only: on a uniform layout Megatron-LM's own distributed
@@ -792,6 +865,15 @@ def run(models: list[str], worlds: list[int], lost: list[int], samples: int,
                     if "grad" in only:
                         case["grad"] = grad_case(recipe, hetero, samples)
                         report(name, world, f"grad lost {k}", case["grad"])
+                    if "restore" in only:
+                        case["restore"] = restore_case(
+                            layout, hetero, dead, state_of(recipe, layout, zero1), state,
+                            before)
+                        report(name, world, f"restore lost {k}", case["restore"])
+                        if before:
+                            report(name, world, f"restore lost {k} (before)",
+                                   {"ranks": case["restore"]["ranks"],
+                                    **case["restore"]["before"]})
                 row.setdefault("failures", []).append(case)
             rows.append(row)
             gc.collect()
@@ -910,8 +992,9 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--only", default="uniform,save,load,grad",
                         help="which plans to run (the planner always runs): the save, "
-                             "load and grad cases of each failure layout, and with "
-                             "'uniform' the uniform layout's save and grad")
+                             "load, grad and restore (in-place, from the copies in "
+                             "memory) cases of each failure layout, and with 'uniform' "
+                             "the uniform layout's save and grad")
     parser.add_argument("--out", default="bench_scale.json")
     parser.add_argument("--no-replicas", action="store_true",
                         help="plan as without the layout's replica classes (one owner per "
@@ -926,6 +1009,9 @@ def main() -> int:
                              "(bf16 weights replicated over the replica classes, ZeRO-1's "
                              "state on its grid, ShardedObjects as named files), on the "
                              "failure layouts")
+    parser.add_argument("--before", action="store_true",
+                        help="with --only restore: also the whole-job restore plan it "
+                             "replaced (every rank's copies gathered to every rank)")
     parser.add_argument("--table", nargs="+", metavar="JSON",
                         help="print the tables of earlier runs' JSON files and exit")
     parser.add_argument("--planner-table", nargs="+", metavar="JSON",
@@ -950,7 +1036,8 @@ def main() -> int:
     gc.disable()
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],
                [int(k) for k in args.lost.split(",")], args.samples,
-               set(args.only.split(",")), not args.no_replicas, args.zero1, args.megatron_lm)
+               set(args.only.split(",")), not args.no_replicas, args.zero1, args.megatron_lm,
+               args.before)
     Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
     print(f"written {args.out}")
     return 0

@@ -188,6 +188,53 @@ class Restored:
     """Cells this rank read from the durable checkpoint (held by no copy)."""
 
 
+Request = tuple[list[Source], list[Target], dict[int, dict]]
+"""What a rank sends the owner of some tensors: the boxes it holds of them in its
+copies, those it needs, and the lr schedule's state at each step it holds."""
+
+
+def requests(rank: int, held: Sequence[Holding], needed: Sequence[ShardInfo],
+             ranks: Sequence[int]) -> dict[int, Request]:
+    """A rank's part of a restore's plan, by the owner of each tensor."""
+    out: dict[int, Request] = {}
+    schedules = {holding.step: holding.schedule for holding in held}
+    for source in sources_of({rank: held}):
+        out.setdefault(owner_of(source.info.key, ranks), ([], [], schedules))[0].append(source)
+    for target in targets_of({rank: needed}):
+        out.setdefault(owner_of(target.info.key, ranks), ([], [], schedules))[1].append(target)
+    return out
+
+
+def owner_plan(received: dict[int, Request], durable_step: int | None,
+               agree: Agree) -> RestorePlan:
+    """An owner's plan of its tensors from what the ranks sent it (``newest_plan``)."""
+    sources = [s for mine, _, _ in received.values() for s in mine]
+    needs = sorted((t for _, mine, _ in received.values() for t in mine),
+                   key=lambda t: (t.rank, t.index))
+    schedules = {step: schedule for _, _, known in received.values()
+                 for step, schedule in known.items()}
+    return newest_plan(sources, needs, durable_step, schedules, agree)
+
+
+def told(plan: RestorePlan) -> dict[int, tuple[dict | None, list[Move]]]:
+    """An owner's moves for each rank that sends or receives one, with the schedule."""
+    out: dict[int, list[Move]] = {}
+    for move in plan.moves:
+        out.setdefault(move.dst, []).append(move)
+        if move.src is not None and move.src != move.dst:
+            out.setdefault(move.src, []).append(move)
+    return {rank: (plan.schedule, moves) for rank, moves in out.items()}
+
+
+def rank_plan(step: int, replies: dict[int, tuple[dict | None, list[Move]]]) -> RestorePlan:
+    """A rank's moves from the owners' replies, in one order every pair of ranks
+    shares (each packs and unpacks its buffer in it), and the step's schedule."""
+    moves = sorted((m for _, mine in replies.values() for m in mine),
+                   key=lambda m: (m.key, m.box.offset, m.dst, m.target))
+    return RestorePlan(step, next((s for s, _ in replies.values() if s is not None), None),
+                       moves)
+
+
 def restore(targets: Sequence[LocalShard], copies: Sequence[tuple[Holding, torch.Tensor]],
             durable_root: str | None, group=None) -> Restored:
     """Fill ``targets`` (views of this rank's state under the new layout) from the
@@ -195,43 +242,19 @@ def restore(targets: Sequence[LocalShard], copies: Sequence[tuple[Holding, torch
     and the durable checkpoint under ``durable_root``. Collective over ``group``."""
     ranks = comm.Comm(group)
     me = ranks.rank
-    held = [holding for holding, _ in copies]
     durable_step = checkpoint.latest_step(durable_root) if durable_root else None
     # A save committing while the ranks looked may show them different steps: the
     # oldest is in the checkpoint root for all (``keep`` >= 2 keeps it).
     unseen, oldest = ranks.maximum([durable_step is None, -(durable_step or 0)])
     durable_step = None if unseen else -oldest
-    outgoing: dict[int, tuple[list, list, dict]] = {}
-    for source in sources_of({me: held}):
-        outgoing.setdefault(owner_of(source.info.key, ranks.ranks), ([], [], {}))[0].append(
-            source)
-    for target in targets_of({me: [t.info() for t in targets]}):
-        outgoing.setdefault(owner_of(target.info.key, ranks.ranks), ([], [], {}))[1].append(
-            target)
-    for request in outgoing.values():
-        request[2].update({h.step: h.schedule for h in held})
     what = "restoring from the copies in memory"
     try:
-        received = ranks.exchange(outgoing, what)
+        received = ranks.exchange(requests(me, [h for h, _ in copies],
+                                           [t.info() for t in targets], ranks.ranks), what)
+        owned = owner_plan(received, durable_step, ranks.maximum)
+        plan = rank_plan(owned.step, ranks.exchange(told(owned), what))
     except checkpoint.CheckpointError as exc:
         raise RestoreError(str(exc)) from exc
-    sources = [s for mine, _, _ in received.values() for s in mine]
-    needs = sorted((t for _, mine, _ in received.values() for t in mine),
-                   key=lambda t: (t.rank, t.index))
-    schedules = {step: schedule for _, _, known in received.values()
-                 for step, schedule in known.items()}
-    owned = newest_plan(sources, needs, durable_step, schedules, ranks.maximum)
-    told: dict[int, list[Move]] = {}
-    for move in owned.moves:
-        told.setdefault(move.dst, []).append(move)
-        if move.src is not None and move.src != move.dst:
-            told.setdefault(move.src, []).append(move)
-    replies = ranks.exchange({rank: (owned.schedule, moves) for rank, moves in told.items()},
-                             what)
-    moves = sorted((m for _, mine in replies.values() for m in mine),
-                   key=lambda m: (m.key, m.box.offset, m.dst, m.target))
-    schedule = next((s for s, _ in replies.values() if s is not None), owned.schedule)
-    plan = RestorePlan(owned.step, schedule, moves)
     received_bytes = _exchange(plan, me, targets, copies, group)
     reads = [m for m in plan.moves if m.dst == me and m.src is None]
     schedule = plan.schedule
