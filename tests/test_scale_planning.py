@@ -52,19 +52,24 @@ MAX_RANKS = 20
 SEEDS = range(16)
 
 
-def random_layout(seed: int, copies: int = 1, max_ranks: int = MAX_RANKS):
+def random_layout(seed: int, copies: int = 1, max_ranks: int = MAX_RANKS, lone: int = 0):
     """1-4 pipeline shapes (1-3 with ``copies``) of 1-3 stages, TP in {1, 2, 4}, each
-    shape in 1 to ``copies`` pipelines, in a random order, on ranks drawn at random from
+    shape in 1 to ``copies`` pipelines (2 or more with ``copies``), and ``lone`` more
+    shapes in one pipeline each, in a random order, on ranks drawn at random from
     ``range(max_ranks)`` (the rest idle)."""
     rng = random.Random(seed)
     layers = RECIPE.model.num_layers
+
+    def draw_shape() -> list[tuple[int, int]]:
+        stages = rng.randint(1, 3)
+        cuts = sorted(rng.sample(range(1, layers), stages - 1))
+        return [(rng.choice((1, 2, 4)), b - a) for a, b in zip([0, *cuts], [*cuts, layers])]
+
     while True:
         shapes = []
         for _ in range(rng.randint(1, 4 if copies == 1 else 3)):
-            stages = rng.randint(1, 3)
-            cuts = sorted(rng.sample(range(1, layers), stages - 1))
-            shape = [(rng.choice((1, 2, 4)), b - a) for a, b in zip([0, *cuts], [*cuts, layers])]
-            shapes += [shape] * (rng.randint(2, copies) if copies > 1 else 1)
+            shapes += [draw_shape()] * (rng.randint(2, copies) if copies > 1 else 1)
+        shapes += [draw_shape() for _ in range(lone)]
         used = sum(tp for shape in shapes for tp, _ in shape)
         if used <= max_ranks:
             break
@@ -271,10 +276,12 @@ def test_an_object_sent_to_every_rank_is_pickled_once():
     assert pickle.loads(messages[999]) == step_dir and pickle.loads(messages[0]) == request
 
 
-def replicated_layout(seed: int):
+def replicated_layout(seed: int, lone: int = 0):
     """``random_layout`` with each shape in 2-4 pipelines on up to 40 ranks: replica
-    classes of unequal sizes, stages of different pipelines holding the same layers."""
-    return random_layout(seed, copies=4, max_ranks=40)
+    classes of unequal sizes, stages of different pipelines holding the same layers;
+    with ``lone``, that many pipelines of a shape of their own, whose ranks are mostly
+    classes of one (``replica_classes``), as after a lost GPU."""
+    return random_layout(seed, copies=4, max_ranks=40, lone=lone)
 
 
 def claimed(layout, seed: int) -> Replicas:
@@ -287,20 +294,29 @@ def claimed(layout, seed: int) -> Replicas:
     return Replicas(tuple(classes))
 
 
-@pytest.mark.parametrize("seed", range(24))
-def test_replica_plan_is_the_plan_of_every_holder(seed):
-    """One member of each class per column sends its shards, owners plan per class,
-    members find their own positions: the same files, holders and writers as the
-    plan from every holder's shards (``build_plan``, positions by class then index),
-    and every member's cells tile its shards."""
-    layout = replicated_layout(seed)
+LONE_SEEDS = range(24, 40)
+"""Seeds of ``replicated_layout(seed, lone=1)``: each has classes of one beside classes
+of two or more, so more than one column (``Replicas.columns``)."""
+REPLICA_CASES = [pytest.param(seed, 0, id=f"seed{seed}") for seed in range(24)] + [
+    pytest.param(seed, 1, id=f"seed{seed}-lone") for seed in LONE_SEEDS]
+
+
+@pytest.mark.parametrize("seed,lone", REPLICA_CASES)
+def test_replica_plan_is_the_plan_of_every_holder(seed, lone):
+    """One member of each class per column sends its shards (a class of one to every
+    column), owners plan per class, members find their own positions: the same files,
+    holders and writers as the plan from every holder's shards (``build_plan``,
+    positions by class then index), and every member's cells tile its shards."""
+    layout = replicated_layout(seed, lone)
     ranks = group_order(layout, seed)
     infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
     replicas = claimed(layout, seed)
     policy = ChunkPolicy(chunk_bytes=4096, file_bytes=16384)
     units, plans = simulate_save(infos, ranks, policy, replicas)
     whole = build_plan(infos, policy, replicas)
-    assert replicas.columns >= 2 or len(replicas.classes) < len(replica_classes(layout)), seed
+    assert replicas.columns >= 2, seed
+    if lone:
+        assert any(len(members) == 1 for members in replicas.classes), seed
     assert [(r, p.mismatch) for r, p in plans.items() if p.mismatch] == [], seed
     assert sorted((u.key, u.box.offset, u.holders, u.writer) for u in units) == sorted(
         (u.key, u.box.offset, u.holders, u.writer) for u in whole.units), seed
@@ -309,6 +325,30 @@ def test_replica_plan_is_the_plan_of_every_holder(seed):
             (u.key, u.box.offset) for u in whole.units if u.writer == rank), (seed, rank)
     assert sorted(k for p in plans.values() for k in p.creates) == sorted(whole.entries)
     assert plans[ranks[0]].entries == whole.entries, seed
+
+
+@pytest.mark.parametrize("seed", LONE_SEEDS, ids=lambda seed: f"seed{seed}-lone")
+def test_a_class_of_one_is_a_rank_in_no_class(seed):
+    """A rank alone in its class (a pipeline of a shape no other has) plans as a rank
+    in no class: as many columns, the same owners heard and the same plans. Before,
+    one such rank made one column, whose owners told every member of every class."""
+    layout = replicated_layout(seed, lone=1)
+    ranks = group_order(layout, seed)
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
+    given = Replicas(replica_classes(layout))
+    unnamed = Replicas(tuple(c for c in given.classes if len(c) > 1))
+    assert len(unnamed.classes) < len(given.classes) and unnamed.classes, seed
+    assert given.columns == unnamed.columns >= 2, seed
+    for rank in ranks:
+        assert (given.sends(rank), given.column(rank)) == (
+            unnamed.sends(rank), unnamed.column(rank)), (seed, rank)
+    policy = ChunkPolicy(chunk_bytes=4096, file_bytes=16384)
+    (units, plans), (same_units, same_plans) = (
+        simulate_save(infos, ranks, policy, r) for r in (given, unnamed))
+    assert sorted((u.key, u.box.offset, u.holders, u.writer) for u in units) == sorted(
+        (u.key, u.box.offset, u.holders, u.writer) for u in same_units), seed
+    assert {r: (p.units, p.creates) for r, p in plans.items()} == {
+        r: (p.units, p.creates) for r, p in same_plans.items()}, seed
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -164,13 +164,15 @@ class Replicas:
     """Classes of ranks that hold the same shards (the same keys, boxes and dtypes):
     a layout's data-parallel replicas of one stage and TP rank, where the optimizer
     state is not sharded over them. Ranks in no class are classes of their own; with
-    no classes every rank is its own and each tensor has one owner (one column).
+    no class of two or more each tensor has one owner (one column).
 
     A class of ``n`` members takes part in ``min(n, columns)`` columns: its member
     ``i`` of the first ones sends its shards to the owners of the columns ``j`` with
     ``j % min(n, columns) == i``, and every member hears from the column after its own
     (``column``), whose shards another member sent: a member whose shards differ
-    from its class's finds that the cells it is told do not tile its shards.
+    from its class's finds that the cells it is told do not tile its shards. A class
+    of one sends its shards to every column's owner (each must hear every distinct
+    box) and is told its part by column 0.
 
     ``disjoint``: no two ranks hold the same bytes (ZeRO-1's state, each element's
     optimizer state on one rank): a load's ranks each read their own targets from
@@ -211,8 +213,10 @@ class Replicas:
 
     @functools.cached_property
     def columns(self) -> int:
-        """How many owners plan each tensor: the smallest class's size."""
-        return min((len(c) for c in self.classes), default=1)
+        """How many owners plan each tensor: the smallest size of a class of two or
+        more. Classes of one do not count: one rank outside every class would make one
+        column, whose owner tells every member of every class its part."""
+        return min((len(c) for c in self.classes if len(c) > 1), default=1)
 
     @functools.cached_property
     def fingerprint(self) -> int:
