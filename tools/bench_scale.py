@@ -193,13 +193,20 @@ class SimComm:
             self.received[rank] = self.received.get(rank, 0) + n
 
     def summary(self) -> dict[str, Any]:
+        """The steps and calls, each call's most bytes a rank sent and received
+        (``call_bytes``: which part of a plan dominates), and the rank that exchanged
+        the most (``largest_rank``)."""
+        exchanged = {r: self.sent.get(r, 0) + self.received.get(r, 0) for r in self.ranks}
+        largest = max(exchanged, key=exchanged.get, default=None)
         return {"job_wide_steps": len({c.step for c in self.log}),
                 "job_wide_calls": len(self.log),
                 "calls": [f"{c.step}: {c.call}" for c in self.log],
+                "call_bytes": [[f"{c.step}: {c.call}", c.max_sent, c.max_received]
+                               for c in self.log],
                 "max_sent_bytes": max(self.sent.values(), default=0),
                 "max_received_bytes": max(self.received.values(), default=0),
-                "max_exchanged_bytes": max((self.sent.get(r, 0) + self.received.get(r, 0)
-                                            for r in self.ranks), default=0)}
+                "max_exchanged_bytes": exchanged.get(largest, 0), "largest_rank": largest,
+                "largest_rank_sent_bytes": self.sent.get(largest, 0)}
 
 
 def cpu(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -409,8 +416,12 @@ def save_case(recipe: Recipe, layout: Layout, state: State,
                                 for units in owned.values() for u in units])
     loads = whole.bytes_by_rank()
     writers_bytes = [n for n in loads.values() if n]
-    return {"ranks": len(ranks), **clock.summary(), **sim.summary(),
-            "columns": replicas.columns, "coordinator_manifest_s": manifest_s, "manifest_bytes": len(text),
+    summary = sim.summary()
+    return {"ranks": len(ranks), **clock.summary(), **summary,
+            "columns": replicas.columns,
+            "classes_of_one": sum(len(replicas.of(r)[0]) < 2 for r in ranks),
+            "largest_rank_class": len(replicas.of(summary["largest_rank"])[0]),
+            "coordinator_manifest_s": manifest_s, "manifest_bytes": len(text),
             "tensors": len(whole.entries), "files": len(whole.units) + len(whole.entries) + 2,
             "writer_balance": max(writers_bytes) / statistics.mean(writers_bytes),
             "bytes": sum(e.nbytes for e in whole.entries.values())}
