@@ -221,10 +221,10 @@ def test_a_wrong_disjoint_claim_fails_the_save_on_every_rank(world, case, expect
 @pytest.mark.timeout(300)
 def test_a_class_save_with_ranks_alone_reads_back_bit_exact(world):
     """Saves with seeded replica classes, some of one rank beside classes of two or
-    more (which alone set the columns: a class of one sends its shards to every
-    column's owner and hears from column 0): each step reads back bit for bit, in a
-    save's 2 job-wide steps (the plan's two exchanges, the finish's ``all_reduce``
-    and ``broadcast``)."""
+    more, so several columns (a class of one sends its shards to every column's owner
+    and hears from column 0): each step reads back bit for bit, in a save's 2
+    job-wide steps (the plan's two exchanges, the finish's ``all_reduce`` and
+    ``broadcast``)."""
     seeds = world["ranks"][0]["class_saves"]
     mixed = [seed for seed, save in seeds.items()
              if any(len(c) == 1 for c in save["classes"]) and save["columns"] >= 2]
