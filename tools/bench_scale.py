@@ -817,7 +817,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="llama3-8b,llama3-70b,llama3-405b")
     parser.add_argument("--worlds", default="64,512,4096,16384")
-    parser.add_argument("--lost", default="1,8,64")
+    parser.add_argument("--lost", default="1,8,64",
+                        help="GPUs lost, each a failure case ('': the uniform layout's "
+                             "cases alone)")
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--only", default="uniform,save,load,grad",
                         help="which plans to run (the planner always runs): the save, "
@@ -855,7 +857,7 @@ def main() -> int:
         return 0
     gc.disable()
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],
-               [int(k) for k in args.lost.split(",")], args.samples,
+               [int(k) for k in args.lost.split(",") if k], args.samples,
                set(args.only.split(",")), not args.no_replicas, args.zero1)
     Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
     print(f"written {args.out}")
