@@ -381,9 +381,14 @@ def save_case(recipe: Recipe, layout: Layout, state: State,
     ranks = list(layout.ranks)
     policy = chunk_policy(recipe)
     sim, clock = SimComm(ranks), RankClock()
-    outbox = exchange_to_owners(layout, state, clock, lambda r, infos: {
-        owner: (held_bytes(infos), mine)
-        for owner, mine in route(infos, ranks, replicas.sends(r), replicas.columns).items()})
+    def local_plan(rank: int, infos: list[ShardInfo]) -> dict[int, Any]:
+        """``writer.plan_save``'s first message: what the rank holds in all, summed
+        once, and its shards of each owner's tensors."""
+        total = held_bytes(infos)
+        return {owner: (total, mine) for owner, mine in route(
+            infos, ranks, replicas.sends(rank), replicas.columns).items()}
+
+    outbox = exchange_to_owners(layout, state, clock, local_plan)
     sim.exchange("plan", outbox)
     replies: dict[int, dict[int, bytes]] = {}
     owned: dict[int, list] = {}
