@@ -149,6 +149,12 @@ def test_bench_scale_runs(tmp_path):
     assert 0 < failure["load"]["classes_of_one"] < failure["load"]["ranks"]
     assert failure["load"]["calls"] == ["plan: all_reduce", "agree: all_reduce"]
     assert save["max_exchanged_bytes"] > 0 and save["manifest_bytes"] > 0
+    # its save: classes of one beside classes of two or more, which alone set the
+    # columns; each call's bytes, whose sum bounds the largest rank's
+    lone = failure["save"]
+    assert 0 < lone["classes_of_one"] < lone["ranks"] and lone["columns"] >= 2
+    assert [call for call, _, _ in lone["call_bytes"]] == lone["calls"]
+    assert 0 < lone["largest_rank_sent_bytes"] <= sum(sent for _, sent, _ in lone["call_bytes"])
     tables = {flag: subprocess.run(
         [sys.executable, str(REPO / "tools/bench_scale.py"), *flag.split(), str(out)],
         check=True, cwd=REPO, capture_output=True, text=True).stdout

@@ -262,6 +262,24 @@ def test_a_wrong_mixed_claim_fails_the_save_on_every_rank(world, case, expected)
         assert expected in report["mixed"][case], (report["rank"], report["mixed"][case])
 
 
+def test_a_class_save_with_ranks_alone_reads_back_bit_exact(world):
+    """Saves with seeded replica classes, some of one rank beside classes of two or
+    more, so several columns (a class of one sends its shards to every column's owner
+    and hears from column 0): each step reads back bit for bit, in a save's 2
+    job-wide steps (the plan's two exchanges, the finish's ``all_reduce`` and
+    ``broadcast``)."""
+    seeds = world["ranks"][0]["class_saves"]
+    mixed = [seed for seed, save in seeds.items()
+             if any(len(c) == 1 for c in save["classes"]) and save["columns"] >= 2]
+    assert len(mixed) >= 2, seeds
+    for report in world["ranks"]:
+        for seed, save in report["class_saves"].items():
+            assert save["mismatches"] == [], (report["rank"], seed)
+            assert save["calls"] == {"all_to_all_single": 4, "all_reduce": 1,
+                                     "all_gather_object": 0, "broadcast_object_list": 1}, (
+                report["rank"], seed, save["calls"])
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", ["false class", "classes differ between ranks"])
 def test_a_wrong_replica_class_fails_on_every_rank(world, case):

@@ -52,19 +52,24 @@ MAX_RANKS = 20
 SEEDS = range(16)
 
 
-def random_layout(seed: int, copies: int = 1, max_ranks: int = MAX_RANKS):
+def random_layout(seed: int, copies: int = 1, max_ranks: int = MAX_RANKS, lone: int = 0):
     """1-4 pipeline shapes (1-3 with ``copies``) of 1-3 stages, TP in {1, 2, 4}, each
-    shape in 1 to ``copies`` pipelines, in a random order, on ranks drawn at random from
+    shape in 1 to ``copies`` pipelines (2 or more with ``copies``), and ``lone`` more
+    shapes in one pipeline each, in a random order, on ranks drawn at random from
     ``range(max_ranks)`` (the rest idle)."""
     rng = random.Random(seed)
     layers = RECIPE.model.num_layers
+
+    def draw_shape() -> list[tuple[int, int]]:
+        stages = rng.randint(1, 3)
+        cuts = sorted(rng.sample(range(1, layers), stages - 1))
+        return [(rng.choice((1, 2, 4)), b - a) for a, b in zip([0, *cuts], [*cuts, layers])]
+
     while True:
         shapes = []
         for _ in range(rng.randint(1, 4 if copies == 1 else 3)):
-            stages = rng.randint(1, 3)
-            cuts = sorted(rng.sample(range(1, layers), stages - 1))
-            shape = [(rng.choice((1, 2, 4)), b - a) for a, b in zip([0, *cuts], [*cuts, layers])]
-            shapes += [shape] * (rng.randint(2, copies) if copies > 1 else 1)
+            shapes += [draw_shape()] * (rng.randint(2, copies) if copies > 1 else 1)
+        shapes += [draw_shape() for _ in range(lone)]
         used = sum(tp for shape in shapes for tp, _ in shape)
         if used <= max_ranks:
             break
@@ -96,16 +101,28 @@ def holder_masks(shape, boxes_by_rank) -> np.ndarray:
     return mask
 
 
+def local_plans(infos, ranks, policy, replicas=NO_REPLICAS) -> dict[int, LocalPlan]:
+    """Every rank's side of ``writer.plan_save``'s plan step (``plan.LocalPlan``)."""
+    return {rank: LocalPlan.build(rank, infos[rank], ranks, policy, replicas)
+            for rank in ranks}
+
+
+def routed(local: dict[int, LocalPlan]) -> dict[int, dict]:
+    """The first exchange of ``writer.plan_save``: ``outbox[owner][sender]``, the
+    sender's request (only the members ``Replicas.sends`` names send their shards, to
+    the owners of their columns)."""
+    outbox: dict[int, dict] = {}
+    for rank, plan in local.items():
+        for owner, request in plan.requests.items():
+            outbox.setdefault(owner, {})[rank] = request
+    return outbox
+
+
 def simulate_save(infos, ranks, policy, replicas=NO_REPLICAS):
     """``writer.plan_save`` for every rank at once: (every unit with its writer, each
-    rank's plan). With ``replicas``, only the members ``Replicas.sends`` names send
-    their shards, each owner plans one column of its tensors."""
-    local = {rank: LocalPlan.build(rank, infos[rank], ranks, policy, replicas)
-             for rank in ranks}
-    outbox: dict[int, dict] = {}
-    for rank in ranks:
-        for owner, request in local[rank].requests.items():
-            outbox.setdefault(owner, {})[rank] = request
+    rank's plan). With ``replicas``, each owner plans one column of its tensors."""
+    local = local_plans(infos, ranks, policy, replicas)
+    outbox = routed(local)
     parts: dict[int, dict] = {}
     owned = {}
     for owner, inbox in outbox.items():
@@ -270,10 +287,12 @@ def test_an_object_sent_to_every_rank_is_pickled_once():
     assert pickle.loads(messages[999]) == step_dir and pickle.loads(messages[0]) == request
 
 
-def replicated_layout(seed: int):
+def replicated_layout(seed: int, lone: int = 0):
     """``random_layout`` with each shape in 2-4 pipelines on up to 40 ranks: replica
-    classes of unequal sizes, stages of different pipelines holding the same layers."""
-    return random_layout(seed, copies=4, max_ranks=40)
+    classes of unequal sizes, stages of different pipelines holding the same layers;
+    with ``lone``, that many pipelines of a shape of their own, whose ranks are mostly
+    classes of one (``replica_classes``), as after a lost GPU."""
+    return random_layout(seed, copies=4, max_ranks=40, lone=lone)
 
 
 def claimed(layout, seed: int) -> Replicas:
@@ -286,20 +305,29 @@ def claimed(layout, seed: int) -> Replicas:
     return Replicas(tuple(classes))
 
 
-@pytest.mark.parametrize("seed", range(24))
-def test_replica_plan_is_the_plan_of_every_holder(seed):
-    """One member of each class per column sends its shards, owners plan per class,
-    members find their own positions: the same files, holders and writers as the
-    plan from every holder's shards (``build_plan``, positions by class then index),
-    and every member's cells tile its shards."""
-    layout = replicated_layout(seed)
+LONE_SEEDS = range(24, 40)
+"""Seeds of ``replicated_layout(seed, lone=1)``: each has classes of one beside classes
+of two or more, so more than one column (``Replicas.columns``)."""
+REPLICA_CASES = [pytest.param(seed, 0, id=f"seed{seed}") for seed in range(24)] + [
+    pytest.param(seed, 1, id=f"seed{seed}-lone") for seed in LONE_SEEDS]
+
+
+@pytest.mark.parametrize("seed,lone", REPLICA_CASES)
+def test_replica_plan_is_the_plan_of_every_holder(seed, lone):
+    """One member of each class per column sends its shards (a class of one to every
+    column), owners plan per class, members find their own positions: the same files,
+    holders and writers as the plan from every holder's shards (``build_plan``,
+    positions by class then index), and every member's cells tile its shards."""
+    layout = replicated_layout(seed, lone)
     ranks = group_order(layout, seed)
     infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
     replicas = claimed(layout, seed)
     policy = ChunkPolicy(chunk_bytes=4096, file_bytes=16384)
     units, plans = simulate_save(infos, ranks, policy, replicas)
     whole = build_plan(infos, policy, replicas)
-    assert replicas.columns >= 2 or len(replicas.classes) < len(replica_classes(layout)), seed
+    assert replicas.columns >= 2, seed
+    if lone:
+        assert any(len(members) == 1 for members in replicas.classes), seed
     assert [(r, p.mismatch) for r, p in plans.items() if p.mismatch] == [], seed
     assert sorted((u.key, u.box.offset, u.holders, u.writer) for u in units) == sorted(
         (u.key, u.box.offset, u.holders, u.writer) for u in whole.units), seed
@@ -308,6 +336,37 @@ def test_replica_plan_is_the_plan_of_every_holder(seed):
             (u.key, u.box.offset) for u in whole.units if u.writer == rank), (seed, rank)
     assert sorted(k for p in plans.values() for k in p.creates) == sorted(whole.entries)
     assert plans[ranks[0]].entries == whole.entries, seed
+
+
+@pytest.mark.parametrize("seed", LONE_SEEDS, ids=lambda seed: f"seed{seed}-lone")
+def test_a_class_of_one_sends_about_as_many_copies_as_an_owner_tells_members(seed):
+    """A rank alone in its class (a pipeline of a shape no other has) sends its shards
+    to every column's owner, and an owner tells a column's share of each class: with
+    classes of one, each is at most the square root of the smallest class of two or
+    more (rounded up), where as many columns as that class had it send a copy to each
+    and one column had an owner tell every member of every class. The plans are the
+    whole job's: ``test_replica_plan_is_the_plan_of_every_holder``."""
+    layout = replicated_layout(seed, lone=1)
+    ranks = group_order(layout, seed)
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
+    replicas = Replicas(replica_classes(layout))
+    root = math.ceil(math.sqrt(min(len(c) for c in replicas.classes if len(c) > 1)))
+    lone = [r for r in ranks if len(replicas.of(r)[0]) == 1]
+    assert lone and replicas.columns >= 2, seed
+    policy = ChunkPolicy(chunk_bytes=4096, file_bytes=16384)
+    outbox = routed(local_plans(infos, ranks, policy, replicas))
+    copies = {(sender, i.key): 0 for sender in ranks for i in infos[sender]}
+    for inbox in outbox.values():
+        for sender, (_, mine, _, _) in inbox.items():
+            for info in {i.key for i in mine}:
+                copies[sender, info] += 1
+    assert max(copies.values()) <= root, seed
+    assert {copies[r, i.key] for r in lone for i in infos[r]} <= {replicas.columns}, seed
+    for owner, inbox in outbox.items():
+        told, _ = plan_owned(inbox, ranks, ranks.index(owner), policy, replicas)
+        for members in replicas.classes:  # the coordinator hears every entry besides
+            assert sum(r in told for r in members if r != ranks[0]) <= -(-len(members) // min(
+                root, len(members))), (seed, owner, members)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -484,3 +543,36 @@ def test_the_step_directory_reaches_every_rank_through_relays(count):
         if position % block:
             relay = ranks[position - position % block]
             assert second[rank][relay][1] == step_dir, (count, position)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_digest_tells_a_file_written_twice_from_a_gap_the_count_misses(seed):
+    """The ranks' ``written_digest``s of a whole-job plan sum to ``expected_digest`` of
+    its entries; with one file written by two ranks and another by none (the count of
+    files unchanged, what ranks that disagree on their writers do), or with both swapped
+    between two such pairs, they do not."""
+    from elastor_mcore.checkpoint.plan import DIGEST_BITS, WritePlan, expected_digest, written_digest
+
+    layout = random_layout(seed)
+    ranks = group_order(layout, seed)
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
+    plan = build_plan(infos, ChunkPolicy(chunk_bytes=4096, file_bytes=16384))
+
+    def digest(units) -> int:
+        by_writer: dict[int, list] = {}
+        for unit in units:
+            by_writer.setdefault(unit.writer, []).append(unit)
+        return sum(written_digest(WritePlan(plan.entries, mine))
+                   for mine in by_writer.values()) % 2 ** DIGEST_BITS
+
+    assert digest(plan.units) == expected_digest(plan.entries)
+    rng = random.Random(seed)
+    for _ in range(20):
+        a, b, c, d = rng.sample(range(len(plan.units)), 4)
+        twice = [*plan.units, plan.units[a]]
+        del twice[b]
+        assert len(twice) == len(plan.units) and digest(twice) != expected_digest(plan.entries)
+        # a file twice and one missing, and the reverse elsewhere: still caught
+        swapped = [u for i, u in enumerate(plan.units) if i not in (b, d)] + [
+            plan.units[a], plan.units[c]]
+        assert digest(swapped) != expected_digest(plan.entries)

@@ -201,13 +201,20 @@ class SimComm:
             self.received[rank] = self.received.get(rank, 0) + n
 
     def summary(self) -> dict[str, Any]:
+        """The steps and calls, each call's most bytes a rank sent and received
+        (``call_bytes``: which part of a plan dominates), and the rank that exchanged
+        the most (``largest_rank``)."""
+        exchanged = {r: self.sent.get(r, 0) + self.received.get(r, 0) for r in self.ranks}
+        largest = max(exchanged, key=exchanged.get, default=None)
         return {"job_wide_steps": len({c.step for c in self.log}),
                 "job_wide_calls": len(self.log),
                 "calls": [f"{c.step}: {c.call}" for c in self.log],
+                "call_bytes": [[f"{c.step}: {c.call}", c.max_sent, c.max_received]
+                               for c in self.log],
                 "max_sent_bytes": max(self.sent.values(), default=0),
                 "max_received_bytes": max(self.received.values(), default=0),
-                "max_exchanged_bytes": max((self.sent.get(r, 0) + self.received.get(r, 0)
-                                            for r in self.ranks), default=0)}
+                "max_exchanged_bytes": exchanged.get(largest, 0), "largest_rank": largest,
+                "largest_rank_sent_bytes": self.sent.get(largest, 0)}
 
 
 def cpu(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -491,9 +498,13 @@ def save_case(recipe: Recipe, layout: Layout, state: State,
     offered = {name for rank in ranks for name in files(rank)}
     assert sorted(named) == sorted(offered), "a named file written twice or never"
     writers_bytes = [n for n in written if n]
-    return {"ranks": len(ranks), **clock.summary(), **sim.summary(),
-            "columns": of(ranks[0]).columns, "coordinator_manifest_s": manifest_s,
-            "manifest_bytes": len(text), "tensors": len(entries),
+    summary, replicas = sim.summary(), of(ranks[0])
+    return {"ranks": len(ranks), **clock.summary(), **summary,
+            "columns": replicas.columns,
+            "classes_of_one": sum(len(replicas.of(r)[0]) < 2 for r in ranks),
+            "largest_rank_class": len(replicas.of(summary["largest_rank"])[0]),
+            "coordinator_manifest_s": manifest_s, "manifest_bytes": len(text),
+            "tensors": len(entries),
             "files": units + len(entries) + len(named) + 2, "named_files": len(named),
             "writer_balance": max(writers_bytes) / statistics.mean(writers_bytes),
             "bytes": sum(e.nbytes for e in entries.values())}
@@ -988,7 +999,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="llama3-8b,llama3-70b,llama3-405b")
     parser.add_argument("--worlds", default="64,512,4096,16384")
-    parser.add_argument("--lost", default="1,8,64")
+    parser.add_argument("--lost", default="1,8,64",
+                        help="GPUs lost, each a failure case ('': the uniform layout's "
+                             "cases alone)")
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--only", default="uniform,save,load,grad",
                         help="which plans to run (the planner always runs): the save, "
@@ -1035,7 +1048,7 @@ def main() -> int:
         return 0
     gc.disable()
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")],
-               [int(k) for k in args.lost.split(",")], args.samples,
+               [int(k) for k in args.lost.split(",") if k], args.samples,
                set(args.only.split(",")), not args.no_replicas, args.zero1, args.megatron_lm,
                args.before)
     Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from elastor_mcore.checkpoint.format import CheckpointError, parse_step
-from elastor_mcore.checkpoint.plan import WritePlan
+from elastor_mcore.checkpoint.plan import WritePlan, written_digest
 from elastor_mcore.checkpoint.storage import MANIFEST, Location, is_transient, storage_for
 from elastor_mcore.checkpoint.writer import Sources, commit, remove_stale, write_share
 
@@ -99,8 +99,9 @@ class BackgroundSave:
                 # a rank that wrote no file may get here before any writer made the
                 # step's directory (file storage; a no-op on object stores)
                 job.tmp.mkdir(parents=True, exist_ok=True)
-                storage_for(job.tmp).write_durably(done_marker(job.tmp, job.rank),
-                                                   f"{time.time()} {len(job.sources)}\n")
+                storage_for(job.tmp).write_durably(
+                    done_marker(job.tmp, job.rank),
+                    f"{time.time()} {len(job.sources)} {written_digest(job.plan)}\n")
         except BaseException as exc:  # reported through the marker and join()
             self.error = exc
             if marks:
@@ -114,21 +115,24 @@ class BackgroundSave:
             others = sorted(set(job.ranks) - {job.rank})
             own_s = time.perf_counter() - start
             wait_for_markers(job.tmp, others, job.commit_timeout_s(own_s))
-            wrote = [len(job.sources), *(_wrote(job.tmp, rank) for rank in others)]
+            wrote = [(len(job.sources), written_digest(job.plan)),
+                     *(_wrote(job.tmp, rank) for rank in others)]
             for rank in others:
                 done_marker(job.tmp, rank).unlink()
             commit(job.tmp, job.path, job.step, job.plan, job.manifest_extra, job.on_commit,
-                   sum(map(bool, wrote)), sum(wrote))
+                   sum(bool(n) for n, _ in wrote), sum(n for n, _ in wrote),
+                   sum(d for _, d in wrote))
             log.info("step %d committed in the background %.3fs after the save began",
                      job.step, time.perf_counter() - start)
         except BaseException as exc:
             self.error = exc
 
 
-def _wrote(tmp: Location, rank: int) -> int:
-    """How many files ``rank``'s done marker says it wrote."""
-    _, units = done_marker(tmp, rank).read_text().split()
-    return int(units)
+def _wrote(tmp: Location, rank: int) -> tuple[int, int]:
+    """How many files ``rank``'s done marker says it wrote, and their digest
+    (``plan.written_digest``)."""
+    _, units, digest = done_marker(tmp, rank).read_text().split()
+    return int(units), int(digest)
 
 
 def _mark_failed(tmp: Location, rank: int, exc: BaseException) -> None:

@@ -37,8 +37,8 @@ from elastor_mcore.checkpoint.format import (
     committed_steps, parse_step, step_dir_name)
 from elastor_mcore.checkpoint.gc_pause import gc_paused
 from elastor_mcore.checkpoint.plan import (
-    NO_REPLICAS, LocalPlan, LocalShard, Replicas, WritePlan, WriteUnit, merge_entries,
-    plan_disjoint, plan_owned)
+    DIGEST_BITS, NO_REPLICAS, LocalPlan, LocalShard, Replicas, WritePlan, WriteUnit,
+    expected_digest, merge_entries, plan_disjoint, plan_owned, written_digest)
 from elastor_mcore.checkpoint.storage import MANIFEST, TMP_PREFIX, Location, as_path, storage_for
 from elastor_mcore.checkpoint.store import numpy_view, open_arrays, wait_all
 from elastor_mcore.geometry import ShardInfo, local_view
@@ -126,14 +126,15 @@ def _write_checkpoint(path: str | os.PathLike, step: int, shards: Sequence[Local
         write_share(tmp, plan, plan_sources(plan, shards), coordinator, files)
     except Exception as exc:
         error = exc
-    failed, writers, files = ranks.sum([error is not None, bool(plan.units), len(plan.units)])
+    failed, writers, files, digest = ranks.sum([error is not None, bool(plan.units),
+                                                len(plan.units), written_digest(plan)])
     if failed:
         comm.check([m for m, in ranks.messages(error)], what, error)
 
     error = None
     if coordinator:
         try:
-            commit(tmp, path, step, plan, manifest_extra, on_commit, writers, files)
+            commit(tmp, path, step, plan, manifest_extra, on_commit, writers, files, digest)
         except Exception as exc:
             error = exc
     comm.check([ranks.broadcast(comm.describe(error))], what, error)
@@ -268,19 +269,24 @@ def write_file(file: Location, data: bytes) -> None:
 
 def commit(tmp: Location, path: Location, step: int, plan: WritePlan,
            manifest_extra: dict[str, Any] | None,
-           on_commit: Callable[[], None] | None, writers: int, files: int) -> None:
+           on_commit: Callable[[], None] | None, writers: int, files: int,
+           digest: int) -> None:
     """Coordinator, once every rank's data is durable (``writers`` of them wrote
-    ``files`` files in all): the backend's commit (manifest last), then
-    ``on_commit``. Every plan writes each file of every array once; a count that
-    differs (shards that leave a gap, or claimed disjoint and overlapping) fails the
-    save before the manifest is written."""
+    ``files`` files in all, named together by ``digest``, ``plan.written_digest``
+    summed): the backend's commit (manifest last), then ``on_commit``. Every plan
+    writes each file of every array once; a count or digest that differs (shards that
+    leave a gap, or claimed disjoint and overlapping; ranks that disagree on their
+    writers) fails the save before the manifest is written."""
     expected = sum(entry.num_files for entry in plan.entries.values())
-    if files != expected:
+    if files != expected or digest % 2 ** DIGEST_BITS != expected_digest(plan.entries):
+        wrote = (f"{files} files where the arrays of {tmp.name} have {expected}"
+                 if files != expected else f"as many files as the arrays of {tmp.name} "
+                 f"have, but not those: some twice, others never")
         raise CheckpointError(
-            f"the ranks wrote {files} files where the arrays of {tmp.name} have "
-            f"{expected}: the saving ranks' shards leave part of a tensor unwritten or "
-            f"write it twice (with Replicas(disjoint=True), check that no two ranks hold "
-            f"the same elements and that together they hold every tensor)")
+            f"the ranks wrote {wrote}: the saving ranks' shards leave part of a tensor "
+            f"unwritten or write it twice (with Replicas(disjoint=True), check that no "
+            f"two ranks hold the same elements and that together they hold every tensor; "
+            f"with replica classes, that every member holds the same shards)")
     storage_for(path).commit_dir(
         tmp, path, Manifest.build(step, plan.entries, writers, manifest_extra).to_json())
     if on_commit is not None:

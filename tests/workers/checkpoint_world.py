@@ -6,7 +6,8 @@ saves from a sub-group that excludes rank 0, and measures bytes read; then loads
 with replica classes under seeded random layouts (compared with a single-process read)
 and with a false class and classes that differ between ranks (each must fail), counting
 their job-wide calls; saves of disjoint state with a grid, right and wrong; saves and
-loads of mixed state (replica classes beside a grid, with named files). The loads run
+loads of mixed state (replica classes beside a grid, with named files); saves with
+seeded replica classes, classes of one among them. The loads run
 twice: as they are (one host: replicas share the page cache and read their own
 bytes), and as if every rank ran on its own host (replicas share reads over gloo); on
 object storage once (every rank is its own host there). Rank 0 writes
@@ -127,17 +128,14 @@ def mismatches(targets) -> list[str]:
 
 
 CLASS_SEEDS = range(6)
-"""The seeded random layouts of the replica-class pass (``class_targets``)."""
+"""The seeded random layouts of the replica-class passes (``class_targets``,
+``class_shards``)."""
 
 
-def class_targets(seed: int, rank: int):
-    """Seeded random replica classes of the 4 ranks, each class's targets the same
-    random boxes (cuts along each tensor's split dimension, or the whole tensor; a
-    class may hold nothing: idle ranks), with ranks in a random order: this rank's
-    targets and every rank's classes (classes of one included)."""
+def seeded_classes(seed: int) -> list[tuple[int, ...]]:
+    """Seeded random replica classes of the 4 ranks, in a random order (classes of one
+    included)."""
     import random
-
-    from elastor_mcore.checkpoint import Replicas
 
     rng = random.Random(seed)
     order = rng.sample(range(4), 4)
@@ -146,6 +144,18 @@ def class_targets(seed: int, rank: int):
     for size in sizes:
         classes.append(tuple(sorted(order[start:start + size])))
         start += size
+    return classes
+
+
+def class_targets(seed: int, rank: int):
+    """``seeded_classes``, each class's targets the same random boxes (cuts along each
+    tensor's split dimension, or the whole tensor; a class may hold nothing: idle
+    ranks): this rank's targets and every rank's classes."""
+    import random
+
+    from elastor_mcore.checkpoint import Replicas
+
+    classes = seeded_classes(seed)
     mine = next(i for i, members in enumerate(classes) if rank in members)
     local = random.Random(seed * 100 + mine)
     targets = []
@@ -160,6 +170,46 @@ def class_targets(seed: int, rank: int):
                                (0, cuts[1])])
         targets.append(piece(key, dim, lo, hi, fill=-7.0))
     return targets, Replicas(tuple(sorted(classes)))
+
+
+def class_shards(seed: int, rank: int):
+    """``seeded_classes``, the members of each class holding the same shards: each
+    split tensor cut at seeded random points into a piece per class, the replicated
+    one whole on every rank; this rank's shards and every rank's classes."""
+    import random
+
+    from elastor_mcore.checkpoint import Replicas
+
+    classes = seeded_classes(seed)
+    mine = next(i for i, members in enumerate(classes) if rank in members)
+    rng = random.Random(seed + 1000)
+    shards = []
+    for key, (shape, _, dim) in TENSORS.items():
+        if dim is None:
+            shards.append(piece(key, None, 0, 0))
+            continue
+        ends = [0, *sorted(rng.sample(range(1, shape[dim]), len(classes) - 1)), shape[dim]]
+        shards.append(piece(key, dim, ends[mine], ends[mine + 1]))
+    return shards, Replicas(tuple(sorted(classes)))
+
+
+def class_saves(root: str, rank: int, policy) -> dict:
+    """Saves with replica classes (``save(..., replicas=)``, as the trainer saves
+    without ZeRO-1) under ``seeded_classes``: how many columns plan each tensor, the
+    job-wide calls, and what a single-process read of the step finds."""
+    from elastor_mcore import checkpoint as ck
+
+    out = {}
+    for seed in CLASS_SEEDS:
+        shards, replicas = class_shards(seed, rank)
+        with counting() as calls:
+            ck.save(f"{root}/classes-{seed}", 1, shards, {}, chunking=policy,
+                    replicas=replicas)
+        bad, _ = single_process_read(f"{root}/classes-{seed}",
+                                     [piece(key, None, 0, 0) for key in TENSORS])
+        out[seed] = dict(classes=[list(c) for c in replicas.classes],
+                         columns=replicas.columns, mismatches=bad, calls=calls)
+    return out
 
 
 def single_process_read(path: str, targets) -> tuple[list[str], int]:
@@ -337,7 +387,7 @@ AWAY_KEY = "decoder.layers.0.mlp.linear_fc1.weight_w"
 reaches the coordinator only in the plan's first exchange."""
 
 
-def mixed_state(seed: int, rank: int, policy) -> tuple[list, "Replicas", dict]:
+def mixed_state(seed: int, rank: int, policy) -> tuple[list, object, dict]:
     """Megatron-LM's state under a heterogeneous layout with ZeRO-1, in small: seeded
     random replica classes (classes of one included) whose members hold the same
     boxes of every other tensor (each class a random segment of a random partition
@@ -510,6 +560,7 @@ def main() -> None:
         report["classes"] = class_loads(root, rank)
         report["disjoint_save"] = disjoint_saves(root, rank, policy)
         report["mixed"] = mixed_saves(root, rank, policy)
+        report["class_saves"] = class_saves(root, rank, policy)
 
     if args.no_subgroup:
         write_world_result(out, report, saved.plan)
