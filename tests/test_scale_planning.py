@@ -576,3 +576,17 @@ def test_the_digest_tells_a_file_written_twice_from_a_gap_the_count_misses(seed)
         swapped = [u for i, u in enumerate(plan.units) if i not in (b, d)] + [
             plan.units[a], plan.units[c]]
         assert digest(swapped) != expected_digest(plan.entries)
+
+
+def test_a_ranks_own_plan_counts_the_bytes_it_writes():
+    """``WritePlan.bytes_by_rank`` of the plan a rank merges (its units carry no
+    holders) is its own written bytes: ``tools/bench_checkpoint.py`` reads it so, and
+    raised ``KeyError`` on every rank since the plan became per tensor."""
+    layout = random_layout(0)
+    ranks = group_order(layout, 0)
+    infos = {r: layout_shard_infos(RECIPE.model, layout, r) for r in ranks}
+    _, plans = simulate_save(infos, ranks, ChunkPolicy(chunk_bytes=4096, file_bytes=16384))
+    writers = [r for r, plan in plans.items() if plan.units]
+    assert writers
+    for rank in writers:
+        assert plans[rank].bytes_by_rank() == {rank: sum(u.nbytes for u in plans[rank].units)}

@@ -111,11 +111,13 @@ class WritePlan:
     among the ranks that offered it (``plan_owned``)."""
 
     def bytes_by_rank(self) -> dict[int, int]:
+        """Bytes written per rank: every holder of a unit (0 if it writes none), and
+        each writer (a rank's own plan knows no holders: ``merge``)."""
         load: dict[int, int] = {}
         for unit in self.units:
             for rank in unit.holders:
                 load.setdefault(rank, 0)
-            load[unit.writer] += unit.nbytes
+            load[unit.writer] = load.get(unit.writer, 0) + unit.nbytes
         return load
 
     def units_of(self, rank: int) -> list[WriteUnit]:
