@@ -20,7 +20,7 @@ owns, not the size of the job.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -79,7 +79,6 @@ class RestorePlan:
     schedule: dict | None
     """The lr schedule's state at ``step`` from a copy (None: from the checkpoint)."""
     moves: list[Move]
-    sent_bytes: dict[int, int] = field(default_factory=dict)
 
     def durable_cells(self) -> int:
         return sum(1 for m in self.moves if m.src is None)
@@ -173,7 +172,7 @@ def plan_step(sources: Sequence[Source], targets: Sequence[Target], step: int,
                 load[source.rank] = load.get(source.rank, 0) + size
             moves.append(Move(cell.key, cell.box, target.rank, target.index, source.rank,
                               source.copy, source.shard))
-    return RestorePlan(step, schedule, moves, load)
+    return RestorePlan(step, schedule, moves)
 
 
 @dataclass(frozen=True)
