@@ -4,6 +4,7 @@ and small file systems for full-disk cases."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import subprocess
 from pathlib import Path
@@ -56,27 +57,29 @@ def small_tmpfs(where: Path, size: str) -> Iterator[str | None]:
         subprocess.run(["umount", str(where)], check=False)
 
 
-def write_world_result(out: Path, report: dict, plan) -> None:
+def write_world_result(out: Path, report: dict, plan, held) -> None:
     """Gather every rank's ``report`` and, on rank 0, write ``out/result.json`` with the
     reports and the save's write plan (bytes per rank; units as key, offset, shape,
-    holders, writer; global shapes). No rank holds the whole plan: each tensor's
-    units and holders come from its owner (``plan.owned``), each unit's writer from
-    the rank that wrote it, the entries from the coordinator (rank 0). Collective over
-    the world."""
-    import dataclasses
+    holders, writer; global shapes). No rank holds the whole plan: each unit and its
+    writer come from the rank that wrote it, its holders from the ranks whose saved
+    shards (``held``: this rank's ``(key, offset, shape)``) contain it, the entries
+    from the coordinator (rank 0). Collective over the world."""
     import json
 
     import torch.distributed as dist
 
     from elastor_mcore.checkpoint import WritePlan
+    from elastor_mcore.geometry import Box
 
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (report, list(plan.owned), [
-        (u.key, u.box.offset, u.writer) for u in plan.units]))
+    dist.all_gather_object(gathered, (report, [(k, Box(tuple(o), tuple(s))) for k, o, s in held],
+                                      plan.units))
     if dist.get_rank() == 0:
-        writers = {(key, offset): w for *_, written in gathered for key, offset, w in written}
-        units = [dataclasses.replace(u, writer=writers[u.key, u.box.offset])
-                 for _, owned, _ in gathered for u in owned]
+        shards = {rank: boxes for rank, (_, boxes, _) in enumerate(gathered)}
+        units = [dataclasses.replace(u, holders=tuple(
+            r for r, boxes in shards.items()
+            if any(k == u.key and box.contains(u.box) for k, box in boxes)))
+            for _, _, written in gathered for u in written]
         whole = WritePlan(plan.entries, units)
         (out / "result.json").write_text(json.dumps(dict(
             ranks=[r for r, *_ in gathered],

@@ -126,7 +126,8 @@ def simulate_save(infos, ranks, policy, replicas=NO_REPLICAS):
     parts: dict[int, dict] = {}
     owned = {}
     for owner, inbox in outbox.items():
-        told, owned[owner] = plan_owned(inbox, ranks, ranks.index(owner), policy, replicas)
+        told, owned[owner] = plan_owned(inbox, ranks, ranks.index(owner), policy, replicas,
+                                        units=True)
         for rank, part in told.items():
             parts.setdefault(rank, {})[owner] = part
     plans = {r: local[r].merged(parts.get(r, {}).values(), owned.get(r, ()), replicas)

@@ -468,11 +468,10 @@ def save_case(recipe: Recipe, layout: Layout, state: State,
     outbox = exchange_to_owners(layout, state, clock, requests)
     sim.exchange("plan", outbox)
     replies: dict[int, dict[int, bytes]] = {}
-    owned: dict[int, list] = {}
     entries: dict[str, Any] = {}
     for owner, inbox in outbox.items():
         received = receive(clock, owner, inbox)
-        parts, owned[owner] = clock.run(owner, lambda: plan_owned(
+        parts, _ = clock.run(owner, lambda: plan_owned(
             received, ranks, ranks.index(owner), policy, of(owner)))
         for rank, blob in clock.run(owner, lambda: comm.pickled(parts)).items():
             replies.setdefault(rank, {})[owner] = blob
@@ -483,8 +482,7 @@ def save_case(recipe: Recipe, layout: Layout, state: State,
     written, named, units = [], [], 0
     for rank in ranks:
         parts = receive(clock, rank, replies.pop(rank, {}))
-        plan = clock.run(rank, lambda: local[rank].merged(
-            parts.values(), owned.get(rank, ()), of(rank)))
+        plan = clock.run(rank, lambda: local[rank].merged(parts.values(), replicas=of(rank)))
         del local[rank]
         assert plan.mismatch is None, (rank, plan.mismatch)
         written.append(sum(u.nbytes for u in plan.units))

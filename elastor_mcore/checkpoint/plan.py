@@ -102,7 +102,7 @@ class WritePlan:
     """Arrays whose metadata this rank creates (``metadata_creators``)."""
     owned: tuple[WriteUnit, ...] = ()
     """Every unit of the tensors this rank planned as their owner (of column 0,
-    ``merge``)."""
+    ``merge``), where its plan was asked for them (``plan_owned(units=True)``)."""
     mismatch: str | None = None
     """Why the cells this rank was told do not tile its shards (``uncovered``): its
     part of the save fails, and so the save."""
@@ -689,12 +689,14 @@ def assignments(entries: dict[str, TensorEntry], cells: Sequence[Cell],
 
 
 def plan_owned(received: dict[int, Request], ranks: Sequence[int], position: int,
-               policy: ChunkPolicy, replicas: Replicas = NO_REPLICAS
+               policy: ChunkPolicy, replicas: Replicas = NO_REPLICAS, units: bool = False
                ) -> tuple[dict[int, Assignment], list[WriteUnit]]:
     """An owner's part of a save's plan step, at ``position`` in ``ranks`` (the first
     coordinates): from what the senders sent (``received``), each holder's part
     (``assignments``), each named file's writer (the lowest-ranked rank that offered
-    it) and, as an owner of column 0, its tensors' units (``WritePlan.owned``). Raises
+    it) and, with ``units``, as an owner of column 0, its tensors' units with every
+    holder (``WritePlan.owned``: for checking a plan; a save does not build them, as
+    listing every member of every class grows with the job). Raises
     ``CheckpointError`` where the shards disagree."""
     column = column_of(position, len(ranks), replicas.columns)
     entries, cells = plan_tensors({r: m for r, (_, m, _, _) in received.items() if m}, policy)
@@ -711,7 +713,7 @@ def plan_owned(received: dict[int, Request], ranks: Sequence[int], position: int
     if created:  # sent to the coordinator only: the manifest's disjoint arrays
         part = parts.get(ranks[0], Assignment({}))
         parts[ranks[0]] = dataclasses.replace(part, entries={**part.entries, **created})
-    owned = file_units(entries, whole_cells(cells, replicas)) if not column else []
+    owned = file_units(entries, whole_cells(cells, replicas)) if units and not column else []
     return dict(sorted(parts.items())), owned
 
 

@@ -178,14 +178,14 @@ def plan_save(ranks: comm.Comm, infos: Sequence[ShardInfo], policy: ChunkPolicy,
         error = error or exc
     local = LocalPlan.build(ranks.rank, infos, ranks.ranks, policy, replicas, files)
     received = ranks.exchange(local.requests, what, error)
-    parts, owned, error = {}, [], None
+    parts, error = {}, None
     try:
-        parts, owned = plan_owned(received, ranks.ranks, ranks.ranks.index(ranks.rank),
-                                  policy, replicas)
+        parts, _ = plan_owned(received, ranks.ranks, ranks.ranks.index(ranks.rank),
+                              policy, replicas)
     except CheckpointError as exc:
         error = exc
     replies = ranks.exchange(parts, what, error)
-    return local.merged(replies.values(), owned, replicas)
+    return local.merged(replies.values(), replicas=replicas)
 
 
 def discard_quietly(tmp: Location) -> None:

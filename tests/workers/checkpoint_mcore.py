@@ -110,7 +110,8 @@ def main() -> None:
     state = sharded(model)
     result = ck.save_sharded_state_dict(state, ckpt, step=1,
                                         manifest_extra={"layout": {"tp": 2, "pp": 2}})
-    torch.save(local_records(sharded(model)), out / f"saved_{rank}.pt")
+    records = local_records(sharded(model))
+    torch.save(records, out / f"saved_{rank}.pt")
     dist.barrier()
     saved = [r for i in range(dist.get_world_size())
              for r in torch.load(out / f"saved_{i}.pt")]
@@ -124,7 +125,8 @@ def main() -> None:
     checked, bad = compare(local_records(sharded(model)), saved)
     report = dict(rank=rank, bytes_read=bytes_read, bytes_needed=checked, mismatches=bad,
                   params=sum(p.numel() for p in model.parameters()))
-    write_world_result(out, report, result.plan)
+    write_world_result(out, report, result.plan,
+                       [(key, offset, tuple(data.shape)) for key, offset, data in records])
     dist.destroy_process_group()
 
 

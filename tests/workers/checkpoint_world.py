@@ -536,7 +536,9 @@ def main() -> None:
     from elastor_mcore.checkpoint import reader
 
     policy = ck.ChunkPolicy(chunk_bytes=2 * 1024, file_bytes=8 * 1024)
-    saved = ck.save(f"{root}/world", 3, save_boxes(rank), {"layout": {"tp": 4}}, chunking=policy)
+    shards = save_boxes(rank)
+    held = [(s.key, s.global_offset, tuple(s.data.shape)) for s in shards]
+    saved = ck.save(f"{root}/world", 3, shards, {"layout": {"tp": 4}}, chunking=policy)
 
     report = {"rank": rank, "exchange": exchanges(rank)}
     real_page_cache = reader.page_cache_id
@@ -563,7 +565,7 @@ def main() -> None:
         report["class_saves"] = class_saves(root, rank, policy)
 
     if args.no_subgroup:
-        write_world_result(out, report, saved.plan)
+        write_world_result(out, report, saved.plan, held)
         dist.destroy_process_group()
         return
     # A sub-group that leaves rank 0 idle: it neither calls save nor blocks it.
@@ -578,7 +580,7 @@ def main() -> None:
     report["subgroup"] = dict(mismatches=mismatches(targets),
                               writers=ck.open(f"{root}/sub").manifest.writers)
 
-    write_world_result(out, report, saved.plan)
+    write_world_result(out, report, saved.plan, held)
     dist.destroy_process_group()
 
 
